@@ -1,0 +1,80 @@
+"""Patches to SGLang 0.5.23: one module per patched upstream module.
+
+Every patch module carries its ledger in its own docstring (``Upstream:``, ``Why:``, ``How:``,
+``Remove when:``) and defines:
+
+* ``UPSTREAM``: the dotted name of the SGLang module it patches;
+* ``wanted(ctx) -> bool``: whether it applies in this process (platform, ``--kda-policy``);
+* ``apply(ctx) -> None``: the wiring. Policy logic lives in plain ``sglang_kda`` modules.
+
+:func:`apply_all` is the one idempotent entry point, called through SGLang's plugin entry point
+(``sglang.srt.plugins`` -> :func:`sglang_kda.plugin.load`) in every SGLang process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+from sglang_kda.config import KDAConfig
+
+# Order matters only where one patch relies on another's module being patched first.
+PATCH_MODULES = (
+    "cpu_platform",
+    "kda_backend",
+    "fused_norm_gate",
+    "mla_cpu",
+    "internal_state",
+)
+
+_applied: list[str] = []
+_done = False
+
+
+@dataclass(frozen=True)
+class PatchContext:
+    """What a patch may look at to decide whether and how to apply."""
+
+    config: KDAConfig
+    on_cuda: bool
+    cpu_engine: bool
+
+    @property
+    def kernel(self) -> str:
+        return self.config.resolved_kernel(self.on_cuda)
+
+
+def current_context() -> PatchContext:
+    import torch
+
+    cpu_engine = os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
+    on_cuda = bool(torch.cuda.is_available()) and not cpu_engine
+    return PatchContext(config=KDAConfig.from_env(), on_cuda=on_cuda, cpu_engine=cpu_engine)
+
+
+def patch_module(name: str):
+    return importlib.import_module(f"sglang_kda.patches.{name}")
+
+
+def apply_all(ctx: PatchContext | None = None) -> list[str]:
+    """Apply every wanted patch once in this process; returns the names applied."""
+    global _done
+    if _done:
+        return list(_applied)
+    from sglang_kda import version_gate
+
+    version_gate.check()
+    ctx = ctx or current_context()
+    for name in PATCH_MODULES:
+        mod = patch_module(name)
+        if mod.wanted(ctx):
+            mod.apply(ctx)
+            _applied.append(name)
+    _done = True
+    return list(_applied)
+
+
+def applied() -> list[str]:
+    """Names of the patch modules applied in this process so far."""
+    return list(_applied)
