@@ -24,9 +24,9 @@ UPSTREAM = "sglang.srt.layers.attention.linear.kda_backend"
 
 
 def wanted(ctx) -> bool:
-    # On CUDA with --kda-kernel auto/triton the adapter runs our Triton kernel; upstream's stays
-    # reachable as ``_orig_TritonKDAKernel``.
-    return ctx.cpu_engine or ctx.kernel == "triton"
+    # ``--kda-kernel auto`` on CUDA keeps upstream's kernel; upstream's class stays reachable as
+    # ``_orig_TritonKDAKernel`` when replaced.
+    return ctx.kernel in ("torch", "triton")
 
 
 def _ops(kernel: str):

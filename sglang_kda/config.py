@@ -26,8 +26,9 @@ class KDAConfig:
     policy: ``kda`` wires sglang_kda's scheduler and cache policy in; ``stock`` leaves SGLang's own
         scheduler and cache untouched (only what this machine needs to run stays), for
         side-by-side benchmarks.
-    kernel: KDA kernel path: ``torch`` (CPU), ``triton`` (GPU, kernels/kda_triton.py) or ``auto``
-        (triton on CUDA, torch on CPU).
+    kernel: KDA kernel path: ``torch`` (chunked PyTorch, kernels/kda_torch.py), ``triton``
+        (sglang_kda's checkpointing Triton kernel, kernels/kda_triton.py) or ``auto``: torch on
+        CPU, SGLang's own Triton kernel (``upstream``) on CUDA until ours is validated on a GPU.
     """
 
     policy: str = "kda"
@@ -58,5 +59,5 @@ class KDAConfig:
 
     def resolved_kernel(self, on_cuda: bool) -> str:
         if self.kernel == "auto":
-            return "triton" if on_cuda else "torch"
+            return "upstream" if on_cuda else "torch"
         return self.kernel

@@ -1,0 +1,46 @@
+# The two commands of the README: `make serve` and `make test`. Both set up everything from nothing
+# (a Python 3.11 interpreter and the package registries), and are quick when already set up.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch (on this project's machines it lies on disk, found through pip's
+# find-links). Override on a GPU machine, e.g. `make TORCH_SPEC=torch==2.14.1 venv`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.sglang_kda-installed
+MODEL_DIR ?= models/tiny-kimi-linear
+HOST ?= 127.0.0.1
+PORT ?= 30000
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test model bench-kernels clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/runtime.txt requirements/test.txt requirements/constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" triton==3.8.0
+	# sglang's own dependency list pins CUDA packages; its serving path's real needs are listed in
+	# requirements/runtime.txt.
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	$(BIN)/pip install -q -c requirements/constraints.txt -r requirements/runtime.txt -r requirements/test.txt
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -c "import sglang_kda, sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+model: venv
+	$(BIN)/python -m sglang_kda.tiny_model $(MODEL_DIR)
+
+serve: venv
+	SGLANG_KDA_MODEL_DIR=$(MODEL_DIR) $(BIN)/python -m sglang_kda.launch_server --host $(HOST) --port $(PORT) $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench-kernels: venv
+	$(BIN)/python benchmark/kernel_kda.py
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

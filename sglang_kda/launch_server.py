@@ -1,0 +1,237 @@
+"""``python -m sglang_kda.launch_server``: SGLang's server with sglang_kda's patches.
+
+Accepts every ``sglang serve`` flag plus sglang_kda's own ``--kda-*`` flags (see ``--help``).
+
+* Without ``--model-path`` it serves the embedded tiny Kimi-Linear model, built on first use
+  (:mod:`sglang_kda.tiny_model`) into ``$SGLANG_KDA_MODEL_DIR`` or the user cache directory.
+* Without a CUDA GPU it selects SGLang's CPU engine and the settings that work there
+  (:func:`cpu_defaults`); flags the user passes always win.
+* The ``--kda-*`` settings travel to SGLang's spawned processes as ``SGLANG_KDA_*`` variables;
+  the patches are applied in each of them by SGLang's plugin entry point.
+
+Spawned SGLang processes (``multiprocessing`` spawn) re-import this module as ``__mp_main__``
+before anything else, which installs the import guards of :mod:`sglang_kda._boot` there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from sglang_kda import _boot
+from sglang_kda.config import KERNELS, POLICIES, ConfigError, KDAConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+
+
+def default_model_dir() -> Path:
+    env = os.environ.get("SGLANG_KDA_MODEL_DIR")
+    if env:
+        return Path(env)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "sglang_kda" / "tiny-kimi-linear-seed0"
+
+
+def add_kda_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sglang_kda")
+    group.add_argument(
+        "--kda-policy",
+        default="kda",
+        help=(
+            f"One of {', '.join(POLICIES)}. 'kda' wires sglang_kda's scheduler and cache policy "
+            "in; 'stock' leaves SGLang's scheduler and cache untouched (only what this machine "
+            "needs to run stays), for side-by-side benchmarks. Default: kda."
+        ),
+    )
+    group.add_argument(
+        "--kda-kernel",
+        default="auto",
+        help=(
+            f"KDA kernel path, one of {', '.join(KERNELS)}. 'torch': the chunked PyTorch path "
+            "(CPU, any device); 'triton': sglang_kda's checkpointing Triton kernel (GPU); "
+            "'auto': torch on CPU, SGLang's own Triton kernel on CUDA. Default: auto."
+        ),
+    )
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
+    """Separate and validate the ``--kda-*`` flags; returns the config and SGLang's argv.
+
+    Raises :class:`ConfigError` naming the flag for unknown ``--kda-*`` flags or bad values.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_kda_args(parser)
+    known, rest = parser.parse_known_args(argv)
+    for a in rest:
+        if a.startswith("--kda-"):
+            name = a.split("=", 1)[0]
+            raise ConfigError(f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel)")
+    return KDAConfig(policy=known.kda_policy, kernel=known.kda_kernel), rest
+
+
+def _checkpoint_dtype(model_path: str) -> str | None:
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("torch_dtype") or cfg.get("dtype")
+
+
+def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
+    """SGLang flags that make the CPU engine work for KDA models; user flags take precedence.
+
+    * ``--device cpu``; ``--attention-backend torch_native`` (MLA runs absorbed, see
+      ``patches/mla_cpu.py``); ``--sampling-backend pytorch``.
+    * ``--disable-overlap-schedule`` and ``--mamba-radix-cache-strategy no_buffer``: upstream's
+      ``auto`` picks ``extra_buffer`` under overlap scheduling, which the CPU platform refuses.
+    * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
+      float32 checkpoints to float16, which is slow on CPUs and lossy).
+    * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
+      the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots).
+    """
+    extra: list[str] = []
+
+    def default(flag: str, *value: str) -> None:
+        if not _has_flag(argv, flag):
+            extra.extend([flag, *value])
+
+    default("--device", "cpu")
+    default("--attention-backend", "torch_native")
+    default("--sampling-backend", "pytorch")
+    default("--disable-overlap-schedule")
+    default("--mamba-radix-cache-strategy", "no_buffer")
+    default("--mem-fraction-static", "0.1")
+    default("--max-mamba-cache-size", "256")
+    dtype = _checkpoint_dtype(model_path)
+    default("--dtype", "bfloat16" if dtype in (None, "float16", "bfloat16") else "float32")
+    return extra
+
+
+def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
+    """Environment for the CPU engine: conv states in the model's dtype.
+
+    SGLang keeps KDA conv states in bfloat16 by default (``SGLANG_MAMBA_CONV_DTYPE``); for a float32
+    model that rounds the last three conv inputs of every cached or decoding sequence, so outputs
+    after a cache hit or during decode drift from a from-scratch prefill (~1e-3 in log-probs on the
+    tiny model). A user's own setting wins.
+    """
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if "SGLANG_MAMBA_CONV_DTYPE" not in os.environ and _flag_value(sglang_argv, "--dtype") == "float32":
+        env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"
+    return env
+
+
+def _reject_on_cpu(argv: list[str]) -> None:
+    if _has_flag(argv, "--speculative-algorithm"):
+        raise ConfigError(
+            "--speculative-algorithm is not supported on the CPU engine by sglang_kda"
+        )
+    strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
+    if strategy not in (None, "no_buffer"):
+        raise ConfigError(
+            f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use no_buffer"
+        )
+
+
+def has_cuda() -> bool:
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
+    """Turn the user's argv into (config, SGLang argv, cpu_engine); no side effects but the
+    tiny model build when ``--model-path`` is absent."""
+    config, rest = split_kda_args(argv)
+    model_path = _flag_value(rest, "--model-path")
+    if model_path is None:
+        from sglang_kda.tiny_model import build_tiny_model
+
+        model_path = str(build_tiny_model(default_model_dir()))
+        rest = ["--model-path", model_path, *rest]
+    if not _has_flag(rest, "--host"):
+        rest += ["--host", DEFAULT_HOST]
+    if not _has_flag(rest, "--port"):
+        rest += ["--port", str(DEFAULT_PORT)]
+    cpu_engine = not has_cuda()
+    if cpu_engine:
+        _reject_on_cpu(rest)
+        rest += cpu_defaults(rest, model_path)
+    return config, rest, cpu_engine
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_kda.launch_server",
+        description=(
+            "SGLang 0.5.23 server with sglang_kda (Kimi Delta Attention) patches. "
+            "Without --model-path it serves the embedded tiny Kimi-Linear model; without a "
+            "GPU it picks working CPU settings."
+        ),
+    )
+    add_kda_args(parser)
+    ServerArgs.add_cli_args(parser)
+    parser.print_help()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+    try:
+        config, sglang_argv, cpu_engine = build_argv(argv)
+    except ConfigError as e:
+        print(f"sglang_kda.launch_server: error: {e}", file=sys.stderr)
+        return 2
+
+    if cpu_engine:
+        os.environ.update(cpu_env(sglang_argv))
+    os.environ.update(config.to_env())
+    _boot.install()  # now with the CPU engine's sgl_kernel stand-ins, if selected
+
+    from sglang_kda import version_gate
+
+    try:
+        version_gate.check()
+    except version_gate.UnsupportedSGLangVersion as e:
+        print(f"sglang_kda.launch_server: error: {e}", file=sys.stderr)
+        return 2
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

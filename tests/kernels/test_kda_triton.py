@@ -1,0 +1,533 @@
+"""Tests of the Triton chunkwise KDA kernels (:mod:`sglang_kda.kernels.kda_triton`).
+
+Without a CUDA GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below
+before the kernel module is imported, and by tests/kernels/conftest.py), on small, awkward
+shapes, against the float64 token-by-token reference :func:`naive_recurrent_kda`. With a GPU the
+same tests run compiled on CUDA, plus the ``@pytest.mark.gpu`` tests (larger shapes, bf16, fla).
+
+Interpreter cost is about one second per (chunk, head) program of the intra-chunk kernel, so
+the cases below keep the number of chunks x heads small while still covering: T = 1, 63, 64,
+65, 130, 200; packed varlen; K, V in {32, 64}; H in {1, 2, 3}; initial state, L2 norm, custom
+scale; checkpoints every 64 / 128 with prefixes 0, 37 and mixed; the state pool (untouched rows
+bit-identical, NaN-poisoned buffers fully overwritten); decode steps.
+
+Note: the interpreter's ``tl.dot`` mishandles bfloat16 operands (it multiplies raw bit
+patterns), so bf16 is only checked numerically on a GPU; on CPU fp16 exercises the 16-bit path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    # Must precede the first import of the kernel module (Triton reads it at @jit time).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import sglang_kda.kernels.kda_triton as kt  # noqa: E402
+from sglang_kda.kernels.kda_naive import naive_kda_gate, naive_recurrent_kda  # noqa: E402
+
+
+def _is_interpreted(mod) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(mod.chunk_kda_fwd_o_kernel, InterpretedFunction)
+
+
+if not _HAS_CUDA and not _is_interpreted(kt):
+    # Imported earlier in compiled mode (before TRITON_INTERPRET was set): rebuild the kernels.
+    kt = importlib.reload(kt)
+
+DEV = "cuda" if _HAS_CUDA else "cpu"
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _inputs(B, T, H, K, V, *, seed=0, strong=False, normalize_k=False, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -0.5 * torch.rand(B, T, H, K, generator=gen)
+    if strong:
+        # per-token decays down to -13 (whole tokens and single channels): in-chunk cumulative
+        # sums reach several hundred, which overflows any un-referenced exp factorisation
+        g[:, ::5] = -13.0 * torch.rand(B, (T + 4) // 5, H, K, generator=gen)
+        g[..., 0] = -13.0
+    beta = torch.rand(B, T, H, generator=gen)
+    if normalize_k:
+        k = k / k.norm(dim=-1, keepdim=True)
+    return [x.to(device) for x in (q, k, v, g, beta)]
+
+
+def _d(*xs):
+    return [None if x is None else x.double() for x in xs]
+
+
+def _assert_close(actual, expected, atol=2e-5, rtol=1e-4):
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+def _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes, C, *, scale=None, l2=False):
+    """Reference states at absolute positions p % C == 0, prefix < p <= prefix + len."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    states, seqs, poss = [], [], []
+    for n in range(len(bounds) - 1):
+        s, e, p = bounds[n], bounds[n + 1], prefixes[n]
+        S = h0[n : n + 1].double() if h0 is not None else q.new_zeros(1, H, K, V).double()
+        prev = 0
+        for m in range(p // C + 1, (p + e - s) // C + 1):
+            r = m * C - p
+            sl = slice(s + prev, s + r)
+            _, S = naive_recurrent_kda(
+                *_d(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl]),
+                scale=scale, initial_state=S, output_final_state=True,
+                use_qk_l2norm_in_kernel=l2,
+            )  # fmt: skip
+            prev = r
+            states.append(S[0])
+            seqs.append(n)
+            poss.append(m * C)
+    if not states:
+        return q.new_zeros(0, H, K, V).double(), [], []
+    return torch.stack(states), seqs, poss
+
+
+def _check_checkpoints(ck, ref, atol=2e-5, rtol=1e-4):
+    ref_states, ref_seqs, ref_pos = ref
+    assert isinstance(ck, kt.KDACheckpoints)
+    assert ck.states.dtype == torch.float32 and ck.states.is_contiguous()
+    assert ck.seq_idx.tolist() == ref_seqs
+    assert ck.positions.tolist() == ref_pos
+    assert ck.states.shape == ref_states.shape
+    _assert_close(ck.states, ref_states, atol=atol, rtol=rtol)
+
+
+class _PoisonedTorch:
+    """Stands in for the kernel module's ``torch``: every fresh buffer comes back NaN-filled,
+    so anything a kernel should write but does not shows up in the results."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-12345)
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(kt, "torch", _PoisonedTorch())
+
+
+# --------------------------------------------------------------------------------------------
+# chunk_kda (fla-compatible core) against the float64 reference
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "B,T,H,K,V,l2,init,scale,strong,final",
+    [
+        pytest.param(1, 1, 3, 32, 32, True, True, None, False, True, id="T1-H3"),
+        pytest.param(1, 63, 1, 32, 64, False, True, 0.3, True, True, id="T63-noL2-scale"),
+        pytest.param(1, 64, 1, 64, 32, True, False, None, True, False, id="T64-K64-nofinal"),
+        pytest.param(1, 65, 2, 32, 32, True, True, None, False, True, id="T65-H2"),
+        pytest.param(1, 130, 1, 64, 64, True, True, None, True, True, id="T130-K64-strong"),
+        pytest.param(2, 200, 1, 32, 32, True, True, 0.5, True, True, id="B2-T200"),
+    ],
+)
+def test_chunk_kda_matches_naive(poisoned, B, T, H, K, V, l2, init, scale, strong, final):
+    q, k, v, g, beta = _inputs(B, T, H, K, V, seed=T, strong=strong, normalize_k=not l2)
+    h0 = torch.randn(B, H, K, V, device=DEV) if init else None
+    o, ht = kt.chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=final,
+        use_qk_l2norm_in_kernel=l2,
+    )  # fmt: skip
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), scale=scale, initial_state=_d(h0)[0], output_final_state=True,
+        use_qk_l2norm_in_kernel=l2,
+    )  # fmt: skip
+    assert o.shape == (B, T, H, V) and o.dtype == v.dtype
+    _assert_close(o, ro)
+    if final:
+        assert ht.shape == (B, H, K, V) and ht.dtype == torch.float32
+        _assert_close(ht, rh)
+    else:
+        assert ht is None
+
+
+@pytest.mark.parametrize(
+    "C,prefixes,H",
+    [
+        pytest.param(64, [0, 0, 0, 0], 1, id="C64-prefix0"),
+        pytest.param(128, [37, 37, 37, 37], 1, id="C128-prefix37"),
+        pytest.param(64, [63, 0, 100, 5], 2, id="C64-mixed-H2"),
+    ],
+)
+def test_varlen_checkpoints(poisoned, C, prefixes, H):
+    lens = [1, 63, 65, 130]
+    bounds = [0, 1, 64, 129, 259]
+    K = V = 32
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=C + sum(prefixes), strong=True)
+    cu = torch.tensor(bounds, dtype=torch.long, device=DEV)
+    h0 = torch.randn(len(lens), H, K, V, device=DEV)
+    o, ht, ck = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=C, prefix_lens=prefixes,
+    )  # fmt: skip
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _assert_close(ht, rh)
+    _check_checkpoints(ck, _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes, C, l2=True))
+
+
+def test_zero_length_sequences_and_prefix_tensor(poisoned):
+    bounds = [0, 0, 5, 5, 70]
+    prefixes = torch.tensor([10, 0, 64, 60])
+    H, K, V = 1, 32, 32
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=7)
+    cu = torch.tensor(bounds, device=DEV)
+    h0 = torch.randn(4, H, K, V, device=DEV)
+    o, ht, ck = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=64, prefix_lens=prefixes,
+    )  # fmt: skip
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _assert_close(ht, rh)
+    assert torch.equal(ht[0], h0[0]) and torch.equal(ht[2], h0[2])
+    ref = _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes.tolist(), 64, l2=True)
+    assert ref[2] == [64]
+    _check_checkpoints(ck, ref)
+
+
+def test_no_checkpoint_in_range_gives_empty_buffer():
+    q, k, v, g, beta = _inputs(1, 10, 1, 32, 32, seed=3)
+    o, ht, ck = kt.chunk_kda(q, k, v, g, beta, checkpoint_every=64, prefix_lens=[0])
+    assert ht is None
+    assert ck.states.shape == (0, 1, 32, 32) and ck.seq_idx.numel() == ck.positions.numel() == 0
+
+
+def test_several_k_slices(monkeypatch):
+    """The intra-chunk kernel loops over K in slices; force four of them."""
+    monkeypatch.setattr(kt, "_intra_block_k", lambda K: 16)
+    q, k, v, g, beta = _inputs(1, 100, 1, 64, 32, seed=11, strong=True)
+    h0 = torch.randn(1, 1, 64, 32, device=DEV)
+    o, ht = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _assert_close(ht, rh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    q, k, v, g, beta = _inputs(1, 70, 1, 32, 32, seed=5)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    o, ht = kt.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == dtype and o.shape == v.shape and ht.dtype == torch.float32
+    if dtype == torch.bfloat16 and not _HAS_CUDA:
+        return  # the interpreter's tl.dot is wrong for bf16 (see module docstring)
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    tol = 2e-3 if dtype == torch.float16 else 3e-2
+    _assert_close(o, ro, atol=tol, rtol=tol)
+    _assert_close(ht, rh, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bad", [0, -64, 32, 100, 64.0, True, "64"])
+def test_checkpoint_every_must_be_positive_multiple_of_64(bad):
+    q, k, v, g, beta = _inputs(1, 4, 1, 32, 32)
+    with pytest.raises(ValueError):
+        kt.chunk_kda(q, k, v, g, beta, checkpoint_every=bad)
+    with pytest.raises(ValueError):
+        kt.kda_extend_pool(
+            q, k, v, g, beta, A_log=torch.zeros(1, device=DEV), dt_bias=None,
+            ssm_states=torch.zeros(2, 1, 32, 32, device=DEV),
+            cache_indices=torch.tensor([0], device=DEV),
+            cu_seqlens=torch.tensor([0, 4], device=DEV), checkpoint_every=bad,
+        )  # fmt: skip
+
+
+def test_shape_errors():
+    q, k, v, g, beta = _inputs(2, 4, 1, 32, 32)
+    with pytest.raises(ValueError):
+        kt.chunk_kda(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 8], device=DEV))
+    with pytest.raises(ValueError):
+        kt.chunk_kda(q, k, v, g[:, :3], beta)
+    with pytest.raises(ValueError):
+        kt.chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 1, 32, 32, device=DEV))
+    with pytest.raises(ValueError):
+        kt.chunk_kda(q, k, v, g, beta, prefix_lens=[0])
+
+
+# --------------------------------------------------------------------------------------------
+# serving path: state pool [slots, H, V, K]
+# --------------------------------------------------------------------------------------------
+
+
+def _gate_inputs(T, H, K, *, seed, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    g_raw = 2.0 * torch.randn(1, T, H, K, generator=gen)
+    g_raw[:, ::7, :, :3] = 25.0  # softplus' linear branch: decays of -exp(A_log) * 25
+    g_raw[:, 3::11, :, 3:6] = -30.0
+    beta_raw = 2.0 * torch.randn(1, T, H, generator=gen)
+    A_log = 0.5 * torch.randn(1, 1, H, 1, generator=gen)
+    dt_bias = torch.randn(H * K, generator=gen)
+    return [x.to(device) for x in (g_raw, beta_raw, A_log, dt_bias)]
+
+
+def _pool(slots, H, K, V, rows, *, seed, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.full((slots, H, V, K), 1e30)
+    for r in rows:
+        if r >= 0:
+            pool[r] = torch.randn(H, V, K, generator=gen)
+    return pool.to(device)
+
+
+def _pool_init(pool, idx, H, K, V):
+    """fla-layout float64 initial states from the pool (zeros for padded entries)."""
+    init = torch.zeros(len(idx), H, K, V, dtype=torch.float64, device=pool.device)
+    for n, r in enumerate(idx):
+        if r >= 0:
+            init[n] = pool[r].double().transpose(-1, -2)
+    return init
+
+
+def _check_pool(pool, before, idx, ref_final):
+    used = {r for r in idx if r >= 0}
+    for r in range(pool.shape[0]):
+        if r not in used:
+            assert torch.equal(pool[r], before[r]), f"pool row {r} was touched"
+    for n, r in enumerate(idx):
+        if r >= 0:
+            _assert_close(pool[r].transpose(-1, -2), ref_final[n])
+
+
+def test_extend_pool(poisoned):
+    H, K, V = 2, 32, 32
+    lens, idx, prefixes = [1, 70, 5], [5, -1, 2], [0, 37, 64]
+    bounds = [0, 1, 71, 76]
+    T = bounds[-1]
+    q, k, v, _, _ = _inputs(1, T, H, K, V, seed=21)
+    g_raw, beta_raw, A_log, dt_bias = _gate_inputs(T, H, K, seed=22)
+    pool = _pool(8, H, K, V, idx, seed=23)
+    before = pool.clone()
+    init = _pool_init(pool, idx, H, K, V)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+
+    o, ck = kt.kda_extend_pool(
+        q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, ssm_states=pool,
+        cache_indices=torch.tensor(idx, dtype=torch.int32, device=DEV), cu_seqlens=cu,
+        checkpoint_every=64, prefix_lens=prefixes,
+    )  # fmt: skip
+
+    g = naive_kda_gate(g_raw.double(), A_log, dt_bias)
+    beta = torch.sigmoid(beta_raw.double())
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v), g, beta, initial_state=init, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    assert o.shape == (1, T, H, V)
+    _assert_close(o, ro)
+    _check_pool(pool, before, idx, rh)
+    ref = _ref_checkpoints(q, k, v, g, beta, init, bounds, prefixes, 64, l2=True)
+    assert ref[2] == [64]
+    _check_checkpoints(ck, ref)
+
+    # without checkpoints: only o comes back; the pool now holds the final states
+    sl = slice(1, 41)
+    o2 = kt.kda_extend_pool(
+        q[:, sl], k[:, sl], v[:, sl], g_raw[:, sl], beta_raw[:, sl], A_log=A_log,
+        dt_bias=dt_bias, ssm_states=pool, cache_indices=torch.tensor([2], device=DEV),
+        cu_seqlens=torch.tensor([0, 40], device=DEV), scale=0.25, use_qk_l2norm=True,
+    )  # fmt: skip
+    ro2, rh2 = naive_recurrent_kda(
+        *_d(q[:, sl], k[:, sl], v[:, sl]), g[:, sl], beta[:, sl], scale=0.25,
+        initial_state=rh[2:3], output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    _assert_close(o2, ro2)
+    _assert_close(pool[2].transpose(-1, -2), rh2[0])
+
+
+def _safe_gate(g_raw, A_log, dt_bias, lower_bound):
+    H, K = g_raw.shape[-2:]
+    x = g_raw.double() + dt_bias.double().reshape(H, K)
+    return lower_bound * torch.sigmoid(A_log.double().exp().reshape(H, 1) * x)
+
+
+def test_extend_pool_safe_gate_no_bias_3d_inputs():
+    """Safe gate (lower_bound), dt_bias=None, [T, H, *] inputs without the batch dim."""
+    H, K, V, T = 1, 32, 32, 20
+    q, k, v, _, _ = _inputs(1, T, H, K, V, seed=25)
+    g_raw, beta_raw, A_log, _ = _gate_inputs(T, H, K, seed=26)
+    pool = _pool(3, H, K, V, [1], seed=27)
+    before = pool.clone()
+    init = _pool_init(pool, [1], H, K, V)
+    o = kt.kda_extend_pool(
+        q[0], k[0], v[0], g_raw[0], beta_raw[0], A_log=A_log, dt_bias=None, ssm_states=pool,
+        cache_indices=torch.tensor([1], device=DEV), cu_seqlens=torch.tensor([0, T], device=DEV),
+        lower_bound=-5.0,
+    )  # fmt: skip
+    g = _safe_gate(g_raw, A_log, torch.zeros(H * K, device=DEV), -5.0)
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v), g, torch.sigmoid(beta_raw.double()), initial_state=init,
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _check_pool(pool, before, [1], rh)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_decode_pool_steps_match_naive(lower_bound):
+    N, H, K, V, steps = 3, 2, 32, 64, 3
+    idx = [4, -1, 1]
+    q, k, v, _, _ = _inputs(N, steps, H, K, V, seed=31)
+    gen = torch.Generator().manual_seed(32)
+    g_raw = (2.0 * torch.randn(N, steps, H, K, generator=gen)).to(DEV)
+    beta_raw = (2.0 * torch.randn(N, steps, H, generator=gen)).to(DEV)
+    A_log = (0.5 * torch.randn(H, generator=gen)).to(DEV)
+    dt_bias = torch.randn(H * K, generator=gen).to(DEV)
+    pool = _pool(6, H, K, V, idx, seed=33)
+    before = pool.clone()
+    init = _pool_init(pool, idx, H, K, V)
+
+    if lower_bound is None:
+        g = naive_kda_gate(g_raw.double(), A_log, dt_bias)
+    else:
+        g = _safe_gate(g_raw, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(beta_raw.double())
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v), g, beta, initial_state=init, output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    cache_indices = torch.tensor(idx, device=DEV)
+    for t in range(steps):
+        o = kt.kda_decode_pool(
+            q[:, t], k[:, t], v[:, t], g_raw[:, t], beta_raw[:, t], A_log=A_log,
+            dt_bias=dt_bias, ssm_states=pool, cache_indices=cache_indices,
+            lower_bound=lower_bound,
+        )  # fmt: skip
+        assert o.shape == (1, N, H, V)
+        # the padded entry (index -1) starts from a zero state at every step
+        ro_pad, _ = naive_recurrent_kda(
+            *_d(q[1:2, t : t + 1], k[1:2, t : t + 1], v[1:2, t : t + 1]), g[1:2, t : t + 1],
+            beta[1:2, t : t + 1], use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        _assert_close(o[0, 0], ro[0, t])
+        _assert_close(o[0, 1], ro_pad[0, 0])
+        _assert_close(o[0, 2], ro[2, t])
+    _check_pool(pool, before, idx, rh)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: larger shapes, bf16, fla
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_varlen_large(dtype):
+    lens = [1, 1000, 4096, 63, 2500]
+    prefixes = [0, 37, 256, 63, 1000]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    H, K, V, C = 4, 128, 128, 256
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=41, strong=True, device="cuda")
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    cu = torch.tensor(bounds, device="cuda")
+    h0 = torch.randn(len(lens), H, K, V, device="cuda")
+    o, ht, ck = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=C, prefix_lens=prefixes,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    ref = _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes, C, l2=True)
+    if dtype == torch.float32:
+        _assert_close(o, ro, atol=2e-4, rtol=1e-3)
+        _assert_close(ht, rh, atol=2e-4, rtol=1e-3)
+        _check_checkpoints(ck, ref, atol=2e-4, rtol=1e-3)
+    else:
+
+        def rel(a, b):
+            return ((a.double() - b).norm() / b.norm()).item()
+
+        assert rel(o, ro) < 3e-2
+        assert rel(ht, rh) < 3e-2
+        assert ck.positions.tolist() == ref[2]
+        assert rel(ck.states, ref[0]) < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_checkpoints_bitwise_consistent_with_split_calls():
+    """State after a call equals the checkpoint of a longer call at the same position when the
+    split lies on the 64-grid (same chunking, same arithmetic)."""
+    H, K, V = 8, 128, 128
+    q, k, v, g, beta = _inputs(1, 8192, H, K, V, seed=51, device="cuda")
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    _, _, ck = kt.chunk_kda(q, k, v, g, beta, checkpoint_every=1024, use_qk_l2norm_in_kernel=True)
+    _, ht = kt.chunk_kda(
+        q[:, :4096], k[:, :4096], v[:, :4096], g[:, :4096], beta[:, :4096],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    assert ck.positions.tolist() == [1024 * i for i in range(1, 9)]
+    torch.testing.assert_close(ck.states[3], ht[0], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_matches_fla():
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    lens = [1000, 3096, 17]
+    bounds = [0, 1000, 4096, 4113]
+    H, K, V = 4, 128, 128
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=61, device="cuda")
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    cu = torch.tensor(bounds, dtype=torch.long, device="cuda")
+    h0 = torch.randn(len(lens), H, K, V, device="cuda")
+    o_f, ht_f = fla_kda.chunk_kda(
+        q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    o, ht = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(o, o_f) < 2e-2
+    assert rel(ht, ht_f) < 2e-2
