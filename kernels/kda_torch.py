@@ -496,6 +496,13 @@ def kda_extend_pool(
     """
     _, T, H, K = q.shape
     V = v.shape[-1]
+    if T == 0:  # nothing to run; pool rows stay as they are
+        o = q.new_zeros(1, 0, H, V)
+        if checkpoint_every is None:
+            return o
+        empty = torch.zeros(0, H, K, V, dtype=torch.float32, device=q.device)
+        no_idx = torch.zeros(0, dtype=torch.long, device=q.device)
+        return o, KDACheckpoints(empty, no_idx, no_idx.clone())
     g = kda_gate(g_raw.reshape(1, T, H, K), A_log, dt_bias, lower_bound)
     beta = beta_raw.reshape(1, T, H).float().sigmoid()
     idx = cache_indices.reshape(-1).long()

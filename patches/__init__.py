@@ -21,11 +21,12 @@ from sglang_kda.config import KDAConfig
 
 # Order matters only where one patch relies on another's module being patched first.
 PATCH_MODULES = (
-    "cpu_platform",
     "kda_backend",
     "fused_norm_gate",
     "mla_cpu",
+    "schedule_policy",
     "internal_state",
+    "tokenizer_manager",
 )
 
 _applied: list[str] = []

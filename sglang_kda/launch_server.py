@@ -99,6 +99,7 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
 
     * ``--device cpu``; ``--attention-backend torch_native`` (MLA runs absorbed, see
       ``patches/mla_cpu.py``); ``--sampling-backend pytorch``.
+    * ``--sleep-on-idle``: an idle scheduler otherwise spins a whole core polling its sockets.
     * ``--disable-overlap-schedule`` and ``--mamba-radix-cache-strategy no_buffer``: upstream's
       ``auto`` picks ``extra_buffer`` under overlap scheduling, which the CPU platform refuses.
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
@@ -116,6 +117,7 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     default("--attention-backend", "torch_native")
     default("--sampling-backend", "pytorch")
     default("--disable-overlap-schedule")
+    default("--sleep-on-idle")
     default("--mamba-radix-cache-strategy", "no_buffer")
     default("--mem-fraction-static", "0.1")
     default("--max-mamba-cache-size", "256")

@@ -10,9 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
 START_TIMEOUT_S = 420
+CHUNK = 64
+NEW_TOKENS = 8
+# Server (float32) vs reference (float64) log-probs of the chosen tokens. Measured: <= 5e-6.
+# SGLang's default bfloat16 conv states would give ~2e-3 (see launch_server.cpu_env).
+LOGPROB_ATOL = 1e-4
+PROMPT_LENS = (150, 203, 64, 5)
 
 
 def free_port() -> int:
@@ -31,6 +38,7 @@ class Server:
         cmd = [sys.executable, "-m", "sglang_kda.launch_server", "--port", str(self.port), *args]
         env = dict(os.environ)
         env.pop("SGLANG_USE_CPU_ENGINE", None)  # the launcher decides
+        env.pop("TRITON_INTERPRET", None)  # set by the kernel tests; the server runs no Triton
         self._log_fh = open(self.log, "wb")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -76,3 +84,35 @@ class Server:
                     pass
                 self.proc.wait(timeout=30)
         self._log_fh.close()
+
+
+def start_server(tmp_path_factory, tiny_model_dir, name: str, extra: list[str]) -> Server:
+    log_dir = tmp_path_factory.mktemp("server-logs")
+    args = ["--model-path", str(tiny_model_dir), "--chunked-prefill-size", str(CHUNK), *extra]
+    return Server(args, log_dir, name)
+
+
+def generate(server: Server, input_ids: list[int]) -> dict:
+    r = server.post(
+        "/generate",
+        {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_against_reference(server: Server, prompts, reference, order) -> list[int]:
+    """Runs prompts in ``order``; asserts tokens and log-probs; returns cached-token counts."""
+    cached = []
+    for i in order:
+        out = generate(server, prompts[i])
+        tokens, logprobs = reference[i]
+        assert out["output_ids"] == tokens, f"prompt {i}: greedy tokens differ from reference"
+        got = [lp for lp, _tok, *_ in out["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt {i}: logprobs differ"
+        cached.append(out["meta_info"]["cached_tokens"])
+    return cached

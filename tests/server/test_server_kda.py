@@ -1,113 +1,28 @@
-"""End to end: the real SGLang server started by ``python -m sglang_kda.launch_server`` on CPU.
+"""End to end on CPU: ``python -m sglang_kda.launch_server --kda-policy kda`` with the radix cache.
 
 Greedy tokens and their log-probabilities are checked against an independent plain-PyTorch
-Kimi-Linear forward (``tests/reference_forward.py``, float64), with prompts longer than the
-chunked-prefill size so every prompt is prefilled over several scheduler rounds, with the radix
-cache on (``--kda-policy kda``) and off (``--kda-policy stock --disable-radix-cache``).
-
-Tolerance: server (float32) vs reference (float64) log-probs of the chosen tokens within 1e-4
-(measured: <= 5e-6; SGLang's default bfloat16 conv states would give ~2e-3, see launch_server.cpu_env).
+Kimi-Linear forward (``tests/reference_forward.py``, float64; tolerance in ``harness.py``), with
+prompts longer than the chunked-prefill size so each is prefilled over several scheduler rounds,
+and repeated / prefix-sharing prompts so some requests resume from cached KDA states.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from reference_forward import ReferenceKimiLinear  # noqa: E402
-
-from server.harness import Server  # noqa: E402
+from harness import check_against_reference, generate, start_server
 
 pytestmark = pytest.mark.server
-
-CHUNK = 64
-NEW_TOKENS = 8
-LOGPROB_ATOL = 1e-4
-PROMPT_LENS = (150, 203, 64, 5)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_model_dir) -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    from sglang_kda.tiny_model import corpus_text
-
-    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
-    ids = tok.encode(corpus_text()).ids
-    out, start = [], 0
-    for n in PROMPT_LENS:
-        out.append(ids[start : start + n])
-        start += n + 17
-    # Shares the first 150 tokens with prompt 0, then diverges.
-    out.append(out[0][:150] + ids[start : start + 40])
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir, prompts) -> list[tuple[list[int], list[float]]]:
-    ref = ReferenceKimiLinear.load(tiny_model_dir)
-    expected = []
-    for p in prompts:
-        tokens, logits = ref.greedy_generate(p, NEW_TOKENS, return_logits=True)
-        logprobs = logits.log_softmax(-1)
-        expected.append((list(tokens), [float(logprobs[i, t]) for i, t in enumerate(tokens)]))
-    return expected
-
-
-def _servers(tmp_path_factory, tiny_model_dir, name, extra):
-    log_dir = tmp_path_factory.mktemp("server-logs")
-    args = ["--model-path", str(tiny_model_dir), "--chunked-prefill-size", str(CHUNK), *extra]
-    server = Server(args, log_dir, name)
-    return server
 
 
 @pytest.fixture(scope="module")
 def server_kda(tmp_path_factory, tiny_model_dir):
-    server = _servers(tmp_path_factory, tiny_model_dir, "kda", ["--enable-metrics"])
+    server = start_server(tmp_path_factory, tiny_model_dir, "kda", ["--enable-metrics"])
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def server_stock(tmp_path_factory, tiny_model_dir):
-    server = _servers(
-        tmp_path_factory, tiny_model_dir, "stock", ["--kda-policy", "stock", "--disable-radix-cache"]
-    )
-    yield server
-    server.stop()
-
-
-def _generate(server: Server, input_ids: list[int]) -> dict:
-    r = server.post(
-        "/generate",
-        {
-            "input_ids": input_ids,
-            "sampling_params": {
-                "max_new_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            "return_logprob": True,
-        },
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _check_against_reference(server: Server, prompts, reference, order) -> list[int]:
-    cached = []
-    for i in order:
-        out = _generate(server, prompts[i])
-        tokens, logprobs = reference[i]
-        assert out["output_ids"] == tokens, f"prompt {i}: greedy tokens differ from reference"
-        got = [lp for lp, _tok, *_ in out["meta_info"]["output_token_logprobs"]]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt {i}: logprobs differ"
-        cached.append(out["meta_info"]["cached_tokens"])
-    return cached
 
 
 def test_patches_are_live_in_the_scheduler_process(server_kda):
@@ -123,24 +38,15 @@ def test_patches_are_live_in_the_scheduler_process(server_kda):
 
 def test_greedy_matches_reference_with_radix_cache(server_kda, prompts, reference):
     # Prompt 0 twice (second one hits the cache), then the prompt sharing its first 150 tokens.
-    cached = _check_against_reference(server_kda, prompts, reference, [0, 1, 2, 3, 0, 4])
+    cached = check_against_reference(server_kda, prompts, reference, [0, 1, 2, 3, 0, 4])
     assert cached[0] == 0
     assert cached[4] > 0, "identical prompt did not hit the radix cache"
 
 
-def test_greedy_matches_reference_stock_without_radix_cache(server_stock, prompts, reference):
-    info = server_stock.get("/server_info").json()
-    assert info["internal_states"][0]["sglang_kda"]["policy"] == "stock"
-    cached = _check_against_reference(server_stock, prompts, reference, [0, 1, 2, 3, 0, 4])
-    assert cached == [0] * len(cached)
-
-
 def test_batched_requests_match_reference(server_kda, prompts, reference):
     """Several requests in flight at once: prefill batches mix sequences, decode is batched."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: _generate(server_kda, p), prompts))
+        outs = list(pool.map(lambda p: generate(server_kda, p), prompts))
     for i, out in enumerate(outs):
         assert out["output_ids"] == reference[i][0], f"prompt {i} differs when batched"
 
@@ -213,8 +119,6 @@ def test_aborted_requests_free_their_slots(server_kda, prompts):
             )
         except requests.RequestException:
             pass  # the client gave up: the server sees a disconnect and aborts the request
-    import time
-
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         state = server_kda.get("/server_info").json()["internal_states"][0]

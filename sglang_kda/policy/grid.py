@@ -1,0 +1,57 @@
+"""The KDA checkpoint grid and where chunked-prefill rounds may end.
+
+A KDA request can resume only from a saved recurrent state. States are saved on the checkpoint
+grid ``max(kernel chunk, page_size)`` (one must divide the other), counted from the start of the
+sequence. A scheduler round that ends off the grid leaves a state nobody can name in the radix
+tree, so the next request sharing that prefix replays from the previous grid point.
+
+Upstream SGLang 0.5.23 rounds the *length* of a cut chunk down to the grid (and only under decode
+context parallelism); when the request resumed from an off-grid prefix (a cache hit at 150 tokens,
+say) that puts every later round end off the grid. :func:`aligned_chunk_len` rounds the *end
+position* instead.
+"""
+
+from __future__ import annotations
+
+KDA_KERNEL_CHUNK = 64
+
+
+class GridError(ValueError):
+    pass
+
+
+def checkpoint_grid(page_size: int, kernel_chunk: int = KDA_KERNEL_CHUNK) -> int:
+    """``max(kernel_chunk, page_size)``; raises :class:`GridError` unless one divides the other."""
+    if page_size < 1 or kernel_chunk < 1:
+        raise GridError(f"page_size and kernel chunk must be positive ({page_size}, {kernel_chunk})")
+    big, small = max(kernel_chunk, page_size), min(kernel_chunk, page_size)
+    if big % small:
+        raise GridError(
+            f"--page-size {page_size} and the KDA kernel chunk {kernel_chunk} must divide one "
+            "another (checkpoint grid = max of the two)"
+        )
+    return big
+
+
+def aligned_chunk_len(prefix_len: int, budget: int, remaining: int, grid: int) -> int:
+    """Tokens to prefill this round for a request with ``prefix_len`` tokens already done.
+
+    Args:
+        prefix_len: tokens already in the cache or prefilled (absolute position of the cut start).
+        budget: the most tokens this round may take (> 0).
+        remaining: tokens left to prefill.
+        grid: the checkpoint grid.
+
+    The final round (``budget >= remaining``) takes everything. Otherwise the round ends at the
+    last grid point reachable within the budget; when none is reachable (budget shorter than the
+    distance to the next grid point) it takes the whole budget, since making no progress is worse
+    than one off-grid cut, and the following round gets back onto the grid.
+    """
+    if budget <= 0:
+        raise ValueError("budget must be positive")
+    if budget >= remaining or grid <= 1:
+        return min(budget, remaining)
+    end = (prefix_len + budget) // grid * grid
+    if end > prefix_len:
+        return end - prefix_len
+    return budget

@@ -1,0 +1,27 @@
+"""End to end on CPU: ``--kda-policy stock --disable-radix-cache`` (SGLang's own scheduler and
+cache, only the CPU execution patches) against the independent reference forward."""
+
+from __future__ import annotations
+
+import pytest
+from harness import check_against_reference, start_server
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server_stock(tmp_path_factory, tiny_model_dir):
+    server = start_server(
+        tmp_path_factory, tiny_model_dir, "stock", ["--kda-policy", "stock", "--disable-radix-cache"]
+    )
+    yield server
+    server.stop()
+
+
+def test_greedy_matches_reference_stock_without_radix_cache(server_stock, prompts, reference):
+    info = server_stock.get("/server_info").json()
+    assert info["internal_states"][0]["sglang_kda"]["policy"] == "stock"
+    cached = check_against_reference(server_stock, prompts, reference, [0, 1, 2, 3, 0, 4])
+    assert cached == [0] * len(cached)
+
+

@@ -1,0 +1,86 @@
+"""Launcher argument handling: --kda-* validation and the CPU defaults (no server started)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from sglang_kda.config import ConfigError, KDAConfig
+from sglang_kda.launch_server import build_argv, cpu_defaults, cpu_env, split_kda_args
+
+
+def test_split_kda_args_separates_flags():
+    cfg, rest = split_kda_args(["--kda-policy", "stock", "--port", "1", "--kda-kernel=torch"])
+    assert cfg == KDAConfig(policy="stock", kernel="torch")
+    assert rest == ["--port", "1"]
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--kda-policy", "fast"], "--kda-policy"),
+        (["--kda-kernel", "cuda"], "--kda-kernel"),
+        (["--kda-typo", "1"], "--kda-typo"),
+        (["--kda-polcy=stock"], "--kda-polcy"),
+    ],
+)
+def test_bad_kda_flags_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError, match=flag):
+        split_kda_args(argv)
+
+
+def test_config_round_trips_through_env():
+    cfg = KDAConfig(policy="stock", kernel="torch")
+    assert KDAConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ConfigError, match="--kda-policy"):
+        KDAConfig.from_env({"SGLANG_KDA_POLICY": "nope"})
+
+
+def test_cpu_defaults_yield_to_user_flags(tiny_model_dir):
+    argv = ["--attention-backend", "torch_native", "--dtype", "bfloat16"]
+    extra = cpu_defaults(argv, str(tiny_model_dir))
+    assert "--attention-backend" not in extra and "--dtype" not in extra
+    assert extra[extra.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    assert "--disable-overlap-schedule" in extra
+    # float32 checkpoint -> float32 (SGLang's auto would pick float16)
+    extra = cpu_defaults([], str(tiny_model_dir))
+    assert extra[extra.index("--dtype") + 1] == "float32"
+    assert cpu_env(extra)["SGLANG_MAMBA_CONV_DTYPE"] == "float32"
+    assert "SGLANG_MAMBA_CONV_DTYPE" not in cpu_env(["--dtype", "bfloat16"])
+
+
+def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    cfg, argv, cpu = build_argv(["--model-path", str(tiny_model_dir), "--kda-policy", "stock"])
+    assert cpu and cfg.policy == "stock"
+    assert argv[argv.index("--device") + 1] == "cpu"
+    assert argv[argv.index("--port") + 1] == "30000"
+    with pytest.raises(ConfigError, match="--mamba-radix-cache-strategy"):
+        build_argv(["--model-path", ".", "--mamba-radix-cache-strategy", "extra_buffer"])
+    with pytest.raises(ConfigError, match="--speculative-algorithm"):
+        build_argv(["--model-path", ".", "--speculative-algorithm", "EAGLE"])
+
+
+def test_bad_flag_fails_at_start_with_message():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_kda.launch_server", "--kda-policy", "bogus"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--kda-policy" in proc.stderr and "bogus" in proc.stderr
+
+
+def test_help_lists_kda_and_sglang_flags():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_kda.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0
+    assert "--kda-policy" in proc.stdout and "--kda-kernel" in proc.stdout
+    assert "--chunked-prefill-size" in proc.stdout
