@@ -1,4 +1,10 @@
-"""KDA kernels of sglang_kda: plain-PyTorch CPU paths and their token-by-token references."""
+"""KDA kernels of sglang_kda: plain-PyTorch CPU paths, their token-by-token references, and the
+Triton kernel (``sglang_kda.kernels.kda_triton``, imported on demand: Triton fixes interpreter vs
+compiled mode when a kernel module is first imported, so importing it here would decide too early).
+
+``kda_torch`` and ``kda_triton`` expose the same serving entry points (``kda_extend_pool``,
+``kda_decode_pool``) over SGLang's state pool, so one adapter serves either.
+"""
 
 from .conv_torch import causal_conv1d_fn_torch, causal_conv1d_update_torch
 from .kda_naive import naive_kda_gate, naive_recurrent_kda

@@ -4,7 +4,7 @@ Upstream: ``SchedulerInternalStateController.get_internal_state`` (served by ``G
     ``internal_states``).
 Why: users and tests need to see, from the scheduler process itself, which sglang_kda patches and
     policy are live there (patches applied only in the launcher would never reach it).
-How: wraps the method; adds ``state["sglang_kda"] = {pid, policy, kernel, patches}`` built by
+How: wraps the method; adds ``state["sglang_kda"] = {pid, policy, kernel, patches, occupancy}`` by
     :func:`sglang_kda.report.scheduler_report`.
 Remove when: SGLang's plugin framework exposes loaded plugins in ``/server_info``.
 """
@@ -34,7 +34,7 @@ def apply(ctx) -> None:
         out = orig(self, recv_req)
         from sglang_kda.report import scheduler_report
 
-        out.internal_state["sglang_kda"] = scheduler_report(ctx)
+        out.internal_state["sglang_kda"] = scheduler_report(ctx, getattr(self, "scheduler", None))
         return out
 
     get_internal_state._sglang_kda = True

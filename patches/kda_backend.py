@@ -109,7 +109,6 @@ def make_kernel_class(base: type, kernel: str) -> type:
                     "sglang_kda's KDA decode takes one token per sequence "
                     f"(got {q.shape[1]} tokens for {cache_indices.numel()} sequences)"
                 )
-            kw = {} if kernel == "triton" else {"lower_bound": lower_bound}
             return ops.kda_decode_pool(
                 q, k, v, a, b,
                 A_log=A_log,
@@ -117,7 +116,7 @@ def make_kernel_class(base: type, kernel: str) -> type:
                 ssm_states=ssm_states,
                 cache_indices=cache_indices,
                 use_qk_l2norm=True,
-                **kw,
+                lower_bound=lower_bound,
             )  # fmt: skip
 
     return SglangKDAKernel

@@ -1,0 +1,149 @@
+"""Stock SGLang vs sglang_kda on the same workload, in one run, with SGLang's serving benchmark.
+
+For each policy (``--kda-policy stock`` and ``--kda-policy kda``) the script starts
+``python -m sglang_kda.launch_server`` on the same model and flags, waits until it is ready, runs
+``python -m sglang.bench_serving`` against it with identical arguments and seed, and stops it.
+Servers run one after the other (on a 2-core machine two servers would share the cores and
+distort each other). Results go to ``benchmark/results/serving_side_by_side.csv`` plus a
+markdown table of ``kda / stock`` ratios printed at the end.
+
+Example (the embedded tiny model on CPU)::
+
+    .venv/bin/python benchmark/serving_side_by_side.py --num-prompts 16 \
+        --random-input-len 512 --random-output-len 32 --max-concurrency 4 \
+        -- --chunked-prefill-size 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = (
+    "input_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2e_latency_ms",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, policy: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "sglang_kda.launch_server", "--model-path", model,
+        "--port", str(port), "--kda-policy", policy, *extra,
+    ]  # fmt: skip
+    fh = open(log, "wb")
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 600:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{policy} server exited; see {log}")
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=30).ok:
+                print(f"[{policy}] ready in {time.monotonic() - t0:.0f}s", flush=True)
+                return proc, port
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{policy} server not ready; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:
+    cmd = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        "--port", str(port), "--model", model, "--tokenizer", model,
+        "--dataset-name", "random-ids", "--num-prompts", str(args.num_prompts),
+        "--random-input-len", str(args.random_input_len),
+        "--random-output-len", str(args.random_output_len),
+        "--random-range-ratio", str(args.random_range_ratio),
+        "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
+        "--output-file", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return lines[-1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model dir (default: the tiny model)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--random-input-len", type=int, default=512)
+    parser.add_argument("--random-output-len", type=int, default=32)
+    parser.add_argument("--random-range-ratio", type=float, default=1.0)
+    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--policies", default="stock,kda")
+    parser.add_argument("--out", default=str(REPO / "benchmark/results/serving_side_by_side.csv"))
+    parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
+    args = parser.parse_args()
+
+    model = args.model
+    if model is None:
+        from sglang_kda.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(REPO / "models" / "tiny-kimi-linear"))
+    out_csv = Path(args.out)
+    out_csv.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kda-bench-"))
+    results: dict[str, dict] = {}
+    for policy in args.policies.split(","):
+        proc, port = start_server(model, policy, args.server_args, tmp / f"{policy}.log")
+        try:
+            results[policy] = run_bench(port, model, args, tmp / f"{policy}.jsonl")
+        finally:
+            stop_server(proc)
+
+    with open(out_csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", *METRICS])
+        for policy, r in results.items():
+            w.writerow([policy, *(r.get(m) for m in METRICS)])
+    print(f"\nwrote {out_csv} (server logs in {tmp})\n")
+    names = list(results)
+    print("| metric | " + " | ".join(names) + " | ratio " + "/".join(reversed(names)) + " |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for m in METRICS:
+        vals = [results[n].get(m) for n in names]
+        ratio = vals[-1] / vals[0] if len(vals) == 2 and vals[0] else float("nan")
+        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {ratio:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The adapter that fills SGLang's KDA kernel slot (patches/kda_backend.py), for both paths.
+
+Called exactly as ``KDAAttnBackend`` calls it (raw gate and beta, SGLang's state pool layout
+``[slots, H, V, K]``, cache indices, ``query_start_loc``), and checked against the float64
+token-by-token recurrence. Under ``TRITON_INTERPRET=1`` on CPU (tests/kernels/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kda.kernels.kda_naive import naive_kda_gate, naive_recurrent_kda
+from sglang_kda.patches.kda_backend import make_kernel_class
+
+H, K = 2, 32
+
+
+def _kernel(path: str):
+    from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
+
+    return make_kernel_class(LinearAttnKernelBase, path)()
+
+
+def _inputs(T: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    q, k, v = rnd(1, T, H, K), rnd(1, T, H, K), rnd(1, T, H, K)
+    g_raw, beta_raw = rnd(1, T, H, K, scale=0.5), rnd(1, T, H)
+    A_log = torch.log(torch.rand(1, 1, H, 1, generator=gen) * 4 + 1)
+    dt_bias = rnd(H * K, scale=0.5) - 2
+    return q, k, v, g_raw, beta_raw, A_log, dt_bias
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_extend_then_decode_through_the_slot(path):
+    lens = [5, 70]
+    T = sum(lens)
+    q, k, v, g_raw, beta_raw, A_log, dt_bias = _inputs(T)
+    slots = torch.full((4, H, K, K), 1e30)  # untouched rows must come back bit-identical
+    rows = torch.tensor([2, 0])
+    slots[rows] = 0
+    untouched = slots[[1, 3]].clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    kernel = _kernel(path)
+    o = kernel.extend(
+        q, k, v, g_raw, beta_raw,
+        ssm_states=slots, cache_indices=rows, query_start_loc=cu,
+        A_log=A_log, dt_bias=dt_bias, beta_is_raw=True,
+    )  # fmt: skip
+
+    g = naive_kda_gate(g_raw.double(), A_log.double(), dt_bias.double())
+    beta = beta_raw.double().sigmoid()
+    o_ref, s_ref = naive_recurrent_kda(
+        q.double(), k.double(), v.double(), g, beta,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    torch.testing.assert_close(o.double(), o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(slots[rows].double().transpose(-1, -2), s_ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(slots[[1, 3]], untouched)
+
+    # One decode step per sequence continues from the pool rows.
+    q1, k1, v1, g1, b1, _, _ = _inputs(2, seed=1)
+    o1 = kernel.decode(
+        q1, k1, v1, g1.reshape(2, H * K), b1,
+        A_log=A_log, dt_bias=dt_bias, ssm_states=slots, cache_indices=rows,
+        query_start_loc=torch.arange(3),
+    )  # fmt: skip
+    g1d = naive_kda_gate(g1.double(), A_log.double(), dt_bias.double())
+    for i in range(2):
+        o_step, _ = naive_recurrent_kda(
+            q1[:, i : i + 1].double(), k1[:, i : i + 1].double(), v1[:, i : i + 1].double(),
+            g1d[:, i : i + 1], b1[:, i : i + 1].double().sigmoid(),
+            initial_state=s_ref[i : i + 1], use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        torch.testing.assert_close(o1[0, i].double(), o_step[0, 0], atol=2e-5, rtol=1e-4)
+    assert torch.equal(slots[[1, 3]], untouched)
+
+
+def test_slot_refuses_what_it_cannot_do():
+    kernel = _kernel("torch")
+    q, k, v, g_raw, beta_raw, A_log, dt_bias = _inputs(4)
+    pool = torch.zeros(1, H, K, K)
+    common = dict(ssm_states=pool, cache_indices=torch.tensor([0]), A_log=A_log, dt_bias=dt_bias)
+    with pytest.raises(NotImplementedError, match="no_buffer"):
+        kernel.extend(
+            q, k, v, g_raw, beta_raw, query_start_loc=torch.tensor([0, 4]),
+            beta_is_raw=True, return_intermediate_states=True, **common,
+        )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="one token per sequence"):
+        kernel.decode(q, k, v, g_raw, beta_raw, query_start_loc=torch.tensor([0, 4]), **common)
