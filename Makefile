@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test model bench-kernels clean
+.PHONY: venv serve test model bench-kernels lint clean
 
 venv: $(STAMP)
 
@@ -44,3 +44,7 @@ bench-kernels: venv
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
+
+lint: venv
+	$(BIN)/ruff check --select E,F,W sglang_kda patches kernels tests
+	$(BIN)/ruff format --check sglang_kda patches tests/server

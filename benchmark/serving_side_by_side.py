@@ -2,7 +2,8 @@
 
 For each policy (``--kda-policy stock`` and ``--kda-policy kda``) the script starts
 ``python -m sglang_kda.launch_server`` on the same model and flags, waits until it is ready, runs
-``python -m sglang.bench_serving`` against it with identical arguments and seed, and stops it.
+``python -m sglang_kda.bench_serving`` (SGLang's serving benchmark) against it with identical
+arguments and seed, and stops it.
 Servers run one after the other (on a 2-core machine two servers would share the cores and
 distort each other). Results go to ``benchmark/results/serving_side_by_side.csv`` plus a
 markdown table of ``kda / stock`` ratios printed at the end.
@@ -50,7 +51,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, policy: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+def start_server(
+    model: str, policy: str, extra: list[str], log: Path
+) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "sglang_kda.launch_server", "--model-path", model,
@@ -85,7 +88,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [
-        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+        sys.executable, "-m", "sglang_kda.bench_serving", "--backend", "sglang",
         "--port", str(port), "--model", model, "--tokenizer", model,
         "--dataset-name", "random-ids", "--num-prompts", str(args.num_prompts),
         "--random-input-len", str(args.random_input_len),
@@ -108,7 +111,9 @@ def main() -> int:
     parser.add_argument("--random-range-ratio", type=float, default=1.0)
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--policies", default="stock,kda")
+    parser.add_argument(
+        "--policies", default="stock,kda", help="comma-separated, run in this order"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmark/results/serving_side_by_side.csv"))
     parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
     args = parser.parse_args()
@@ -122,10 +127,13 @@ def main() -> int:
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-bench-"))
     results: dict[str, dict] = {}
-    for policy in args.policies.split(","):
-        proc, port = start_server(model, policy, args.server_args, tmp / f"{policy}.log")
+    policies = args.policies.split(",")
+    for i, policy in enumerate(policies):
+        # The same policy twice (e.g. "stock,stock") measures the run-to-run noise floor.
+        label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
+        proc, port = start_server(model, policy, args.server_args, tmp / f"{label}.log")
         try:
-            results[policy] = run_bench(port, model, args, tmp / f"{policy}.jsonl")
+            results[label] = run_bench(port, model, args, tmp / f"{label}.jsonl")
         finally:
             stop_server(proc)
 

@@ -1,7 +1,7 @@
 """Patch ``sglang.srt.managers.scheduler_components.internal_state``: report sglang_kda's state.
 
-Upstream: ``SchedulerInternalStateController.get_internal_state`` (served by ``GET /server_info`` under
-    ``internal_states``).
+Upstream: ``SchedulerInternalStateController.get_internal_state`` (served by
+    ``GET /server_info`` under ``internal_states``).
 Why: users and tests need to see, from the scheduler process itself, which sglang_kda patches and
     policy are live there (patches applied only in the launcher would never reach it).
 How: wraps the method; adds ``state["sglang_kda"] = {pid, policy, kernel, patches, occupancy}`` by

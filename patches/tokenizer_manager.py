@@ -33,7 +33,9 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig)
     def _validate_one_request(self, obj, input_ids):
-        if (input_ids is None or len(input_ids) == 0) and getattr(obj, "input_embeds", None) is None:
+        if (input_ids is None or len(input_ids) == 0) and getattr(
+            obj, "input_embeds", None
+        ) is None:
             raise ValueError("The input is empty: a prompt needs at least one token.")
         if input_ids:
             vocab_size = self.model_config.vocab_size

@@ -28,6 +28,7 @@ import os
 import sys
 import types
 
+
 def cpu_engine_enabled() -> bool:
     """True when SGLang runs its CPU engine (the switch SGLang itself reads)."""
     return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
@@ -130,7 +131,9 @@ def _called_from_availability_probe() -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "find_spec" and code.co_filename.endswith(("importlib/util.py", "<frozen importlib.util>")):
+        if code.co_name == "find_spec" and code.co_filename.endswith(
+            ("importlib/util.py", "<frozen importlib.util>")
+        ):
             return True
         frame = frame.f_back
     return False

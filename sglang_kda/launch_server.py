@@ -135,7 +135,10 @@ def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
     tiny model). A user's own setting wins.
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
-    if "SGLANG_MAMBA_CONV_DTYPE" not in os.environ and _flag_value(sglang_argv, "--dtype") == "float32":
+    if (
+        "SGLANG_MAMBA_CONV_DTYPE" not in os.environ
+        and _flag_value(sglang_argv, "--dtype") == "float32"
+    ):
         env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"
     return env
 
@@ -178,7 +181,26 @@ def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
     if cpu_engine:
         _reject_on_cpu(rest)
         rest += cpu_defaults(rest, model_path)
+    elif config.kernel == "triton":
+        rest += triton_kernel_defaults(rest)
     return config, rest, cpu_engine
+
+
+def triton_kernel_defaults(argv: list[str]) -> list[str]:
+    """sglang_kda's Triton kernel does not fill SGLang's ``extra_buffer`` track snapshot (the
+    checkpoint pool replaces it), so the state cache must run ``no_buffer``, which SGLang allows
+    only without the overlap scheduler."""
+    strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
+    if strategy not in (None, "no_buffer"):
+        raise ConfigError(
+            f"--kda-kernel triton needs --mamba-radix-cache-strategy no_buffer (got {strategy})"
+        )
+    extra = []
+    if strategy is None:
+        extra += ["--mamba-radix-cache-strategy", "no_buffer"]
+    if not _has_flag(argv, "--disable-overlap-schedule"):
+        extra.append("--disable-overlap-schedule")
+    return extra
 
 
 def print_help() -> None:

@@ -64,7 +64,14 @@ PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "[PAD]", "[BOS]", "[EOS]"
 IM_USER, IM_ASSISTANT, IM_SYSTEM = "<|im_user|>", "<|im_assistant|>", "<|im_system|>"
 IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (
-    PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_USER, IM_ASSISTANT, IM_SYSTEM, IM_MIDDLE, IM_END,
+    PAD_TOKEN,
+    BOS_TOKEN,
+    EOS_TOKEN,
+    IM_USER,
+    IM_ASSISTANT,
+    IM_SYSTEM,
+    IM_MIDDLE,
+    IM_END,
 )
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 IM_END_ID = SPECIAL_TOKENS.index(IM_END)
@@ -201,8 +208,15 @@ _NOUNS = (
     "memory secret journey adventure festival game lesson office school museum theater hospital "
     "station harbor valley desert field meadow lake hill cave path corner village garden"
 ).split()
-_IRREGULAR_PLURALS = {"child": "children", "wolf": "wolves", "fish": "fish", "city": "cities",
-                      "story": "stories", "library": "libraries", "valley": "valleys"}
+_IRREGULAR_PLURALS = {
+    "child": "children",
+    "wolf": "wolves",
+    "fish": "fish",
+    "city": "cities",
+    "story": "stories",
+    "library": "libraries",
+    "valley": "valleys",
+}
 _VERBS = (
     "walk talk open close carry watch follow visit paint build answer study travel cook clean "
     "play call help move turn start finish remember forget explain describe discover explore "
@@ -286,13 +300,17 @@ def _sentence(rng: random.Random) -> str:
     elif kind == 2:
         s = f"why does {np_()} {c(_VERBS)} {np_()}?"
     elif kind == 3:
-        s = (f"in {rng.randint(1800, 2030)}, {c(_NAMES)} {_past(c(_VERBS))} to {c(_PLACES)} "
-             f"with {np_()}.")
+        s = (
+            f"in {rng.randint(1800, 2030)}, {c(_NAMES)} {_past(c(_VERBS))} to {c(_PLACES)} "
+            f"with {np_()}."
+        )
     elif kind == 4:
-        s = (f"{np_()} was {c(_ADJECTIVES)}, {c(_CONNECTORS)} {np_()} {_past(c(_VERBS))} "
-             f"{c(_ADVERBS)}.")
+        s = (
+            f"{np_()} was {c(_ADJECTIVES)}, {c(_CONNECTORS)} {np_()} {_past(c(_VERBS))} "
+            f"{c(_ADVERBS)}."
+        )
     elif kind == 5:
-        s = f"{c(_NAMES)} said: \"{np_()} is {c(_ADJECTIVES)} and {c(_ADJECTIVES)}.\""
+        s = f'{c(_NAMES)} said: "{np_()} is {c(_ADJECTIVES)} and {c(_ADJECTIVES)}."'
     elif kind == 6:
         s = f"there are {rng.randint(2, 12)} {_plural(c(_NOUNS))} {c(_PREPOSITIONS)} {np_()}."
     else:
@@ -352,8 +370,14 @@ def _tokenizer_config() -> dict:
         "model_max_length": 4096,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, t in enumerate(SPECIAL_TOKENS)
         },
     }
@@ -374,8 +398,9 @@ def _bigram_counts(tok: "tokenizers.Tokenizer") -> torch.Tensor:  # noqa: F821
     for enc in tok.encode_batch(corpus_text().split("\n\n")):
         ids = enc.ids
         pairs.extend(a * VOCAB_SIZE + b for a, b in zip(ids[:-1], ids[1:]))
-    counts = torch.bincount(torch.tensor(pairs, dtype=torch.int64),
-                            minlength=VOCAB_SIZE * VOCAB_SIZE)
+    counts = torch.bincount(
+        torch.tensor(pairs, dtype=torch.int64), minlength=VOCAB_SIZE * VOCAB_SIZE
+    )
     return counts.to(torch.float64).view(VOCAB_SIZE, VOCAB_SIZE)
 
 
@@ -477,7 +502,8 @@ def _make_weights(seed: int, bigrams: torch.Tensor | None) -> dict[str, torch.Te
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = _norm(seed, p + "input_layernorm.weight", HIDDEN)
         w[p + "post_attention_layernorm.weight"] = _norm(
-            seed, p + "post_attention_layernorm.weight", HIDDEN)
+            seed, p + "post_attention_layernorm.weight", HIDDEN
+        )
         a = p + "self_attn."
         if (i + 1) in KDA_LAYERS_1BASED:
             for n in ("q_proj", "k_proj", "v_proj"):
@@ -496,7 +522,8 @@ def _make_weights(seed: int, bigrams: torch.Tensor | None) -> dict[str, torch.Te
             dt = torch.exp(_uniform(seed, a + "dt", (proj,), math.log(1e-3), math.log(1e-1)))
             w[a + "dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
             w[a + "A_log"] = torch.log(_uniform(seed, a + "A", (KDA_HEADS,), 1.0, 16.0)).view(
-                1, 1, KDA_HEADS, 1)
+                1, 1, KDA_HEADS, 1
+            )
             w[a + "f_a_proj.weight"] = _linear(seed, a + "f_a_proj", KDA_HEAD_DIM, HIDDEN)
             w[a + "f_b_proj.weight"] = _linear(seed, a + "f_b_proj", proj, KDA_HEAD_DIM, 0.3)
             w[a + "g_a_proj.weight"] = _linear(seed, a + "g_a_proj", KDA_HEAD_DIM, HIDDEN)
@@ -507,26 +534,30 @@ def _make_weights(seed: int, bigrams: torch.Tensor | None) -> dict[str, torch.Te
             qk = QK_NOPE + QK_ROPE
             w[a + "q_proj.weight"] = _linear(seed, a + "q_proj", MLA_HEADS * qk, HIDDEN)
             w[a + "kv_a_proj_with_mqa.weight"] = _linear(
-                seed, a + "kv_a_proj_with_mqa", KV_LORA_RANK + QK_ROPE, HIDDEN)
-            w[a + "kv_a_layernorm.weight"] = _norm(seed, a + "kv_a_layernorm.weight",
-                                                   KV_LORA_RANK)
+                seed, a + "kv_a_proj_with_mqa", KV_LORA_RANK + QK_ROPE, HIDDEN
+            )
+            w[a + "kv_a_layernorm.weight"] = _norm(seed, a + "kv_a_layernorm.weight", KV_LORA_RANK)
             w[a + "kv_b_proj.weight"] = _linear(
-                seed, a + "kv_b_proj", MLA_HEADS * (QK_NOPE + V_HEAD), KV_LORA_RANK)
-            w[a + "o_proj.weight"] = _linear(seed, a + "o_proj", HIDDEN, MLA_HEADS * V_HEAD,
-                                             out_gain)
+                seed, a + "kv_b_proj", MLA_HEADS * (QK_NOPE + V_HEAD), KV_LORA_RANK
+            )
+            w[a + "o_proj.weight"] = _linear(
+                seed, a + "o_proj", HIDDEN, MLA_HEADS * V_HEAD, out_gain
+            )
         if i < 1:  # first_k_dense_replace = 1
             m = p + "mlp."
             w[m + "gate_proj.weight"] = _linear(seed, m + "gate_proj", DENSE_INTER, HIDDEN)
             w[m + "up_proj.weight"] = _linear(seed, m + "up_proj", DENSE_INTER, HIDDEN)
-            w[m + "down_proj.weight"] = _linear(seed, m + "down_proj", HIDDEN, DENSE_INTER,
-                                                out_gain)
+            w[m + "down_proj.weight"] = _linear(
+                seed, m + "down_proj", HIDDEN, DENSE_INTER, out_gain
+            )
         else:
             m = p + "block_sparse_moe."
             # Router logits ~N(0, 1.5^2) so sigmoid scores spread over (0, 1); the correction
             # bias is the same order as score gaps so it really changes the selection.
             w[m + "gate.weight"] = _linear(seed, m + "gate", NUM_EXPERTS, HIDDEN, 1.5)
             w[m + "gate.e_score_correction_bias"] = _normal(
-                seed, m + "gate.e_score_correction_bias", (NUM_EXPERTS,), 0.1)
+                seed, m + "gate.e_score_correction_bias", (NUM_EXPERTS,), 0.1
+            )
             for e in range(NUM_EXPERTS):
                 x = f"{m}experts.{e}."
                 w[x + "w1.weight"] = _linear(seed, x + "w1", MOE_INTER, HIDDEN)
@@ -628,7 +659,8 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_kda.tiny_model",
-        description="Write the tiny seeded Kimi-Linear model directory (offline).")
+        description="Write the tiny seeded Kimi-Linear model directory (offline).",
+    )
     parser.add_argument("dir", type=Path, help="output model directory")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     args = parser.parse_args(argv)

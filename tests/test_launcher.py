@@ -84,3 +84,19 @@ def test_help_lists_kda_and_sglang_flags():
     assert proc.returncode == 0
     assert "--kda-policy" in proc.stdout and "--kda-kernel" in proc.stdout
     assert "--chunked-prefill-size" in proc.stdout
+
+
+def test_triton_kernel_on_cuda_forces_no_buffer(tiny_model_dir, monkeypatch):
+    import sglang_kda.launch_server as ls
+
+    monkeypatch.setattr(ls, "has_cuda", lambda: True)
+    _, argv, cpu = build_argv(["--model-path", str(tiny_model_dir), "--kda-kernel", "triton"])
+    assert not cpu
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    assert "--disable-overlap-schedule" in argv and "--device" not in argv
+    with pytest.raises(ConfigError, match="no_buffer"):
+        build_argv(
+            ["--model-path", ".", "--kda-kernel", "triton", "--mamba-radix-cache-strategy", "auto"]
+        )
+    _, argv, _ = build_argv(["--model-path", str(tiny_model_dir)])  # auto: stock GPU settings
+    assert "--mamba-radix-cache-strategy" not in argv

@@ -37,10 +37,14 @@ def _ctx(policy: str, cpu: bool):
 
 
 def test_stock_policy_keeps_only_what_the_machine_needs():
-    wanted = {n for n in patches.PATCH_MODULES if patches.patch_module(n).wanted(_ctx("stock", True))}
+    wanted = {
+        n for n in patches.PATCH_MODULES if patches.patch_module(n).wanted(_ctx("stock", True))
+    }
     assert "schedule_policy" not in wanted
     assert {"kda_backend", "mla_cpu", "fused_norm_gate"} <= wanted
-    on_gpu = {n for n in patches.PATCH_MODULES if patches.patch_module(n).wanted(_ctx("stock", False))}
+    on_gpu = {
+        n for n in patches.PATCH_MODULES if patches.patch_module(n).wanted(_ctx("stock", False))
+    }
     assert on_gpu == {"internal_state", "tokenizer_manager"}
 
 

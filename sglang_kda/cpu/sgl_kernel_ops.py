@@ -66,9 +66,7 @@ def causal_conv1d_update_cpu(x, conv_state, weight, bias=None, activation=None, 
     """Decode-step short conv; same call contract as SGLang's Triton ``causal_conv1d_update``."""
     from sglang_kda.kernels.conv_torch import causal_conv1d_update_torch
 
-    return causal_conv1d_update_torch(
-        x, conv_state, weight, bias, activation=activation, **kwargs
-    )
+    return causal_conv1d_update_torch(x, conv_state, weight, bias, activation=activation, **kwargs)
 
 
 def causal_conv1d_fn_cpu(x, weight, bias=None, **kwargs):
@@ -118,6 +116,7 @@ def _register_torch_ops() -> None:
             continue
         _torch_library.define(f"{name}(Tensor[] args) -> Tensor")
         _torch_library.impl(name, _unsupported(name), "CompositeExplicitAutograd")
+
 
 _TABLE: dict[str, dict[str, object]] = {
     "sgl_kernel": {

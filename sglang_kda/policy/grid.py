@@ -23,7 +23,9 @@ class GridError(ValueError):
 def checkpoint_grid(page_size: int, kernel_chunk: int = KDA_KERNEL_CHUNK) -> int:
     """``max(kernel_chunk, page_size)``; raises :class:`GridError` unless one divides the other."""
     if page_size < 1 or kernel_chunk < 1:
-        raise GridError(f"page_size and kernel chunk must be positive ({page_size}, {kernel_chunk})")
+        raise GridError(
+            f"page_size and kernel chunk must be positive ({page_size}, {kernel_chunk})"
+        )
     big, small = max(kernel_chunk, page_size), min(kernel_chunk, page_size)
     if big % small:
         raise GridError(

@@ -31,9 +31,7 @@ def test_patches_are_live_in_the_scheduler_process(server_kda):
     assert report["pid"] != server_kda.proc.pid  # reported by the spawned scheduler itself
     assert report["policy"] == "kda"
     assert report["cpu_engine"] is True
-    assert {"kda_backend", "mla_cpu", "fused_norm_gate", "internal_state"} <= set(
-        report["patches"]
-    )
+    assert {"kda_backend", "mla_cpu", "fused_norm_gate", "internal_state"} <= set(report["patches"])
 
 
 def test_greedy_matches_reference_with_radix_cache(server_kda, prompts, reference):

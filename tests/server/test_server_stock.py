@@ -12,7 +12,10 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def server_stock(tmp_path_factory, tiny_model_dir):
     server = start_server(
-        tmp_path_factory, tiny_model_dir, "stock", ["--kda-policy", "stock", "--disable-radix-cache"]
+        tmp_path_factory,
+        tiny_model_dir,
+        "stock",
+        ["--kda-policy", "stock", "--disable-radix-cache"],
     )
     yield server
     server.stop()
@@ -23,5 +26,3 @@ def test_greedy_matches_reference_stock_without_radix_cache(server_stock, prompt
     assert info["internal_states"][0]["sglang_kda"]["policy"] == "stock"
     cached = check_against_reference(server_stock, prompts, reference, [0, 1, 2, 3, 0, 4])
     assert cached == [0] * len(cached)
-
-
