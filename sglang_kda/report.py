@@ -21,7 +21,9 @@ def occupancy(scheduler) -> dict:
         "waiting_reqs": len(getattr(scheduler, "waiting_queue", []) or []),
         "free_req_slots": _size(req_pool),
         "free_kv_tokens": _size(getattr(scheduler, "token_to_kv_pool_allocator", None)),
-        "free_state_slots": _size(getattr(req_pool, "mamba_pool", None)),
+        # The unified pools allocate KDA state slots through ``mamba_allocator``.
+        "free_state_slots": _size(getattr(req_pool, "mamba_allocator", None))
+        or _size(getattr(req_pool, "mamba_pool", None)),
     }
 
 
