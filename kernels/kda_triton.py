@@ -44,13 +44,13 @@ Public ops: :func:`chunk_kda` (fla-compatible core), :func:`kda_extend_pool` and
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from .kda_torch import KDACheckpoints
+from .kda_torch import IntSeq, KDACheckpoints, _to_int_list
 
 __all__ = [
     "CHUNK_SIZE",
@@ -61,7 +61,6 @@ __all__ = [
     "kda_decode_pool",
 ]
 
-IntSeq = Union[torch.Tensor, Sequence[int]]
 
 CHUNK_SIZE = 64  # tokens per chunk (BT); checkpoint_every must be a multiple of it
 SUB_CHUNK = 16  # BC: the 64-token chunk is handled as four 16-row sub-chunks
@@ -816,17 +815,6 @@ def kda_decode_pool_kernel(
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
-
-
-def _to_int_list(x: Optional[IntSeq], n: int, name: str) -> list[int]:
-    if x is None:
-        return [0] * n
-    vals = [int(t) for t in (x.tolist() if isinstance(x, torch.Tensor) else x)]
-    if len(vals) != n:
-        raise ValueError(f"{name} must have {n} entries, got {len(vals)}")
-    if any(t < 0 for t in vals):
-        raise ValueError(f"{name} must be non-negative, got {vals}")
-    return vals
 
 
 def _check_checkpoint_every(checkpoint_every: Optional[int]) -> None:
