@@ -1,40 +1,42 @@
 """Patch ``sglang.srt.managers.schedule_policy``: chunked-prefill cuts on the absolute KDA grid.
 
-Upstream: ``PrefillAdder.floor_chunked_tokens`` (rounds the length of a cut chunk down to the
-    mamba grid, only under decode context parallelism), called from ``add_chunked_req`` and
-    ``add_one_req``.
+Upstream: ``PrefillAdder._select_prefill_admission`` (cuts a newly admitted request, aligning
+    the end to the page only) and ``PrefillAdder.floor_chunked_tokens`` (rounds the length of a
+    continuing chunk down to the mamba grid, only under decode context parallelism; called from
+    ``add_chunked_req`` and ``add_one_req_ignore_eos``).
 Why: a round must end where a KDA state can be checkpointed and named: on the grid
     ``max(64, page_size)`` counted from the sequence start. Upstream rounds the chunk *length*, so
     a request resuming from an off-grid prefix never lands on the grid again.
-How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_grid`) for hybrid
-    (mamba/KDA) models; ``add_chunked_req`` / ``add_one_req`` note the request's prefix length;
-    ``floor_chunked_tokens`` returns :func:`sglang_kda.policy.grid.aligned_chunk_len`. Only with
-    ``--kda-policy kda``.
+How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_grid`) when the tree
+    cache holds KDA/mamba states; a chunked admission's ``extend_len`` and the continuing chunk's
+    length both become :func:`sglang_kda.policy.grid.aligned_chunk_len` (never longer than what
+    upstream chose, so every budget check upstream made still holds); each cut is recorded in
+    ``RECENT_CUTS`` (shown by ``/server_info``). Only with ``--kda-policy kda``.
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections import deque
 
 UPSTREAM = "sglang.srt.managers.schedule_policy"
+
+# The most recent cuts taken in this (scheduler) process, newest last, as
+# ``(prefix_len, budget, remaining, taken)``; reported in ``/server_info`` (see report.py).
+RECENT_CUTS: deque = deque(maxlen=32)
 
 
 def wanted(ctx) -> bool:
     return ctx.config.policy == "kda"
 
 
-def _hybrid_grid(page_size: int) -> int:
-    """The checkpoint grid when the served model has KDA/mamba layers, else 1."""
+def _hybrid_grid(adder) -> int:
+    """The checkpoint grid when the tree cache holds KDA/mamba states, else 1."""
     from sglang_kda.policy.grid import checkpoint_grid
 
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        hybrid = bool(getattr(get_server_args(), "uses_mamba_radix_cache", False))
-    except Exception:  # a PrefillAdder built before the server config exists (unit tests)
-        return 1
-    return checkpoint_grid(page_size) if hybrid else 1
+    return checkpoint_grid(adder.page_size) if getattr(adder, "is_hybrid_ssm_cache", False) else 1
 
 
 def apply(ctx) -> None:
@@ -47,14 +49,31 @@ def apply(ctx) -> None:
         return
     orig_init = cls.__init__
     orig_floor = cls.floor_chunked_tokens
+    orig_select = cls._select_prefill_admission
+
+    def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
+        taken = aligned_chunk_len(prefix_len, budget, remaining, self._kda_grid)
+        RECENT_CUTS.append((prefix_len, budget, remaining, taken))
+        return taken
 
     @functools.wraps(orig_init)
     def __init__(self, page_size, *args, **kwargs):
         orig_init(self, page_size, *args, **kwargs)
-        self._kda_grid = _hybrid_grid(page_size)
+        self._kda_grid = _hybrid_grid(self)
         self._kda_prefix_len = 0
 
-    def _noting_prefix(orig):
+    @functools.wraps(orig_select)
+    def _select_prefill_admission(self, req, **kwargs):
+        adm = orig_select(self, req, **kwargs)
+        if self._kda_grid <= 1 or not getattr(adm, "is_chunked", False):
+            return adm
+        remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
+        taken = cut(self, adm.prefix_len, adm.extend_len, remaining)
+        return dataclasses.replace(adm, extend_len=taken)
+
+    def noting_prefix(orig):
+        """``floor_chunked_tokens`` is not told the prefix; its callers know it."""
+
         @functools.wraps(orig)
         def wrapper(self, req, *args, **kwargs):
             self._kda_prefix_len = req.prefix_len
@@ -66,11 +85,13 @@ def apply(ctx) -> None:
     def floor_chunked_tokens(self, trunc_len: int, remaining: int) -> int:
         if self._kda_grid <= 1 or trunc_len <= 0:
             return orig_floor(self, trunc_len, remaining)
-        return aligned_chunk_len(self._kda_prefix_len, trunc_len, remaining, self._kda_grid)
+        return cut(self, self._kda_prefix_len, trunc_len, remaining)
 
     cls.__init__ = __init__
-    cls.add_chunked_req = _noting_prefix(cls.add_chunked_req)
-    cls.add_one_req = _noting_prefix(cls.add_one_req)
+    cls._select_prefill_admission = _select_prefill_admission
+    cls.add_chunked_req = noting_prefix(cls.add_chunked_req)
+    cls.add_one_req_ignore_eos = noting_prefix(cls.add_one_req_ignore_eos)
     cls.floor_chunked_tokens = floor_chunked_tokens
     cls._orig_floor_chunked_tokens = orig_floor
+    cls._orig_select_prefill_admission = orig_select
     cls._sglang_kda_patched = True

@@ -39,4 +39,10 @@ def scheduler_report(ctx, scheduler=None) -> dict:
     }
     if scheduler is not None:
         report["occupancy"] = occupancy(scheduler)
+    if "schedule_policy" in report["patches"]:
+        from sglang_kda.patches.schedule_policy import RECENT_CUTS
+
+        report["recent_cuts"] = [
+            {"prefix_len": p, "budget": b, "remaining": r, "taken": t} for p, b, r, t in RECENT_CUTS
+        ]
     return report

@@ -16,7 +16,8 @@ from reference_forward import ReferenceKimiLinear  # noqa: E402
 
 @pytest.fixture(scope="session")
 def prompts(tiny_model_dir) -> list[list[int]]:
-    """Four prompts of awkward lengths, plus one sharing the first 150 tokens of the first."""
+    """Four prompts of awkward lengths, plus one sharing the first 150 tokens of the first and
+    going on for 100 more (so after a cache hit at 150 it still needs more than one round)."""
     from tokenizers import Tokenizer
 
     from sglang_kda.tiny_model import corpus_text
@@ -27,7 +28,7 @@ def prompts(tiny_model_dir) -> list[list[int]]:
     for n in PROMPT_LENS:
         out.append(ids[start : start + n])
         start += n + 17
-    out.append(out[0][:150] + ids[start : start + 40])
+    out.append(out[0][:150] + ids[start : start + 100])
     return out
 
 

@@ -41,6 +41,18 @@ def test_greedy_matches_reference_with_radix_cache(server_kda, prompts, referenc
     assert cached[4] > 0, "identical prompt did not hit the radix cache"
 
 
+def test_chunk_cuts_land_on_the_absolute_grid(server_kda, prompts, reference):
+    """A request resuming from an off-grid cached prefix is cut back onto the 64-token grid."""
+    check_against_reference(server_kda, prompts, reference, [0, 0, 4])
+    report = server_kda.get("/server_info").json()["internal_states"][0]["sglang_kda"]
+    cuts = [c for c in report["recent_cuts"] if c["taken"] < c["remaining"]]
+    assert cuts, report["recent_cuts"]
+    for c in cuts:
+        if c["budget"] >= 64 - c["prefix_len"] % 64:  # the next grid point is reachable
+            assert (c["prefix_len"] + c["taken"]) % 64 == 0, c
+    assert any(c["prefix_len"] % 64 for c in cuts), ("no request resumed off the grid", cuts)
+
+
 def test_batched_requests_match_reference(server_kda, prompts, reference):
     """Several requests in flight at once: prefill batches mix sequences, decode is batched."""
     with ThreadPoolExecutor(len(prompts)) as pool:

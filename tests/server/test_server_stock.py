@@ -23,6 +23,8 @@ def server_stock(tmp_path_factory, tiny_model_dir):
 
 def test_greedy_matches_reference_stock_without_radix_cache(server_stock, prompts, reference):
     info = server_stock.get("/server_info").json()
-    assert info["internal_states"][0]["sglang_kda"]["policy"] == "stock"
+    report = info["internal_states"][0]["sglang_kda"]
+    assert report["policy"] == "stock"
+    assert "schedule_policy" not in report["patches"] and "recent_cuts" not in report
     cached = check_against_reference(server_stock, prompts, reference, [0, 1, 2, 3, 0, 4])
     assert cached == [0] * len(cached)
