@@ -12,9 +12,28 @@ the same three lines would also cover kernel imports made by other test director
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import Any, Callable
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def sglang_triton_op() -> Callable[[str, str], Any]:
+    """Loader of SGLang's own Triton ops for cross-checks: ``load(module, name)`` returns the op
+    (compiled on CUDA, else run by TRITON_INTERPRET=1), or skips the test."""
+
+    def load(module: str, name: str) -> Any:
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception as exc:  # ImportError, or Triton failing to set up a backend
+            pytest.skip(f"cannot import {module}.{name}: {exc!r}")
+
+    return load

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 import torch
@@ -180,17 +178,7 @@ def test_update_pad_slot_and_unsupported_args() -> None:
         causal_conv1d_update_torch(x, states, weight, activation="relu")
 
 
-def sglang_triton_op(module: str, name: str) -> Any:
-    """SGLang's Triton op (compiled on CUDA, else via TRITON_INTERPRET=1), or skip."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception as exc:  # ImportError, or Triton failing to set up a backend
-        pytest.skip(f"cannot import {module}.{name}: {exc!r}")
-
-
-def test_matches_sglang_triton_ops() -> None:
+def test_matches_sglang_triton_ops(sglang_triton_op) -> None:
     """Same outputs and same pool contents as SGLang's Triton prefill + decode conv ops."""
     mod = "sglang.kernels.ops.mamba.causal_conv1d_triton"
     fn = sglang_triton_op(mod, "causal_conv1d_fn")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-from typing import Any
 
 import pytest
 import torch
@@ -368,7 +365,7 @@ def test_extend_pool_output_fully_written() -> None:
     """No position of o may be left unwritten (NaN-prefilled memory must not show through)."""
     H, K, V = 2, 16, 16
     lens = [3, 64, 70]
-    cu = torch.tensor([0, 3, 67, 137])
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])  # [0, 3, 67, 137]
     q, k, v, g_raw, b_raw = make_raw_inputs(137, H, K, V, seed=2, dtype=torch.bfloat16)
     A_log, dt_bias = make_params(H, K)
     pool = torch.zeros(4, H, V, K)
@@ -516,18 +513,8 @@ def test_extend_then_decode_continues() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def sglang_triton_op(module: str, name: str) -> Any:
-    """SGLang's Triton op (compiled on CUDA, else via TRITON_INTERPRET=1), or skip."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except Exception as exc:  # ImportError, or Triton failing to set up a backend
-        pytest.skip(f"cannot import {module}.{name}: {exc!r}")
-
-
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["gate", "safe-gate"])
-def test_decode_pool_matches_sglang_triton_decode(lower_bound) -> None:
+def test_decode_pool_matches_sglang_triton_decode(lower_bound, sglang_triton_op) -> None:
     update = sglang_triton_op(
         "sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent",
         "fused_sigmoid_gating_delta_rule_update",

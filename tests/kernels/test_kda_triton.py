@@ -332,7 +332,7 @@ def _check_pool(pool, before, idx, ref_final):
 def test_extend_pool(poisoned):
     H, K, V = 2, 32, 32
     lens, idx, prefixes = [1, 70, 5], [5, -1, 2], [0, 37, 64]
-    bounds = [0, 1, 71, 76]
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]  # [0, 1, 71, 76]
     T = bounds[-1]
     q, k, v, _, _ = _inputs(1, T, H, K, V, seed=21)
     g_raw, beta_raw, A_log, dt_bias = _gate_inputs(T, H, K, seed=22)
