@@ -148,10 +148,15 @@ def _reject_on_cpu(argv: list[str]) -> None:
         raise ConfigError(
             "--speculative-algorithm is not supported on the CPU engine by sglang_kda"
         )
+    _require_no_buffer(argv, "on CPU")
+
+
+def _require_no_buffer(argv: list[str], where: str) -> None:
+    """The KDA paths of sglang_kda keep no ``extra_buffer`` track snapshot."""
     strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
     if strategy not in (None, "no_buffer"):
         raise ConfigError(
-            f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use no_buffer"
+            f"--mamba-radix-cache-strategy {strategy} is not supported {where}; use no_buffer"
         )
 
 
@@ -190,13 +195,9 @@ def triton_kernel_defaults(argv: list[str]) -> list[str]:
     """sglang_kda's Triton kernel does not fill SGLang's ``extra_buffer`` track snapshot (the
     checkpoint pool replaces it), so the state cache must run ``no_buffer``, which SGLang allows
     only without the overlap scheduler."""
-    strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
-    if strategy not in (None, "no_buffer"):
-        raise ConfigError(
-            f"--kda-kernel triton needs --mamba-radix-cache-strategy no_buffer (got {strategy})"
-        )
+    _require_no_buffer(argv, "with --kda-kernel triton")
     extra = []
-    if strategy is None:
+    if not _has_flag(argv, "--mamba-radix-cache-strategy"):
         extra += ["--mamba-radix-cache-strategy", "no_buffer"]
     if not _has_flag(argv, "--disable-overlap-schedule"):
         extra.append("--disable-overlap-schedule")

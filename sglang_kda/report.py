@@ -13,6 +13,13 @@ def _size(obj, attr: str = "available_size") -> int | None:
         return None
 
 
+def _state_slot_allocator(req_pool):
+    """The unified pools allocate KDA state slots through ``mamba_allocator``, older ones
+    through ``mamba_pool`` itself."""
+    allocator = getattr(req_pool, "mamba_allocator", None)
+    return allocator if allocator is not None else getattr(req_pool, "mamba_pool", None)
+
+
 def occupancy(scheduler) -> dict:
     """Requests and free slots as the scheduler sees them (for leak checks after aborts)."""
     req_pool = getattr(scheduler, "req_to_token_pool", None)
@@ -21,9 +28,7 @@ def occupancy(scheduler) -> dict:
         "waiting_reqs": len(getattr(scheduler, "waiting_queue", []) or []),
         "free_req_slots": _size(req_pool),
         "free_kv_tokens": _size(getattr(scheduler, "token_to_kv_pool_allocator", None)),
-        # The unified pools allocate KDA state slots through ``mamba_allocator``.
-        "free_state_slots": _size(getattr(req_pool, "mamba_allocator", None))
-        or _size(getattr(req_pool, "mamba_pool", None)),
+        "free_state_slots": _size(_state_slot_allocator(req_pool)),
     }
 
 
