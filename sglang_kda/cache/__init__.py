@@ -1,0 +1,1 @@
+"""The KDA state-checkpoint radix cache: tree, pool, admission, eviction, integrity."""
