@@ -24,6 +24,8 @@ PATCH_MODULES = (
     "kda_backend",
     "fused_norm_gate",
     "mla_cpu",
+    "mla_extend_cpu",
+    "kimi_linear_moe",
     "schedule_policy",
     "internal_state",
     "tokenizer_manager",
