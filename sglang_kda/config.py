@@ -13,10 +13,23 @@ ENV_PREFIX = "SGLANG_KDA_"
 
 POLICIES = ("kda", "stock")
 KERNELS = ("auto", "torch", "triton")
+DEFAULT_MAX_N = 16  # --kda-max-n
+MAX_N_LIMIT = 1024  # the largest --kda-max-n accepted
 
 
 class ConfigError(ValueError):
     """A bad ``--kda-*`` flag or ``SGLANG_KDA_*`` value; the message names it."""
+
+
+def _positive_int(value: object, flag: str, limit: int) -> int:
+    """An integer in ``[1, limit]`` from an int or its decimal text (as in the environment)."""
+    try:
+        n = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value))
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= limit:
+        raise ConfigError(f"{flag} must be an integer in [1, {limit}]; got {value!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -29,10 +42,13 @@ class KDAConfig:
     kernel: KDA kernel path: ``torch`` (chunked PyTorch, kernels/kda_torch.py), ``triton``
         (sglang_kda's checkpointing Triton kernel, kernels/kda_triton.py) or ``auto``: torch on
         CPU, SGLang's own Triton kernel (``upstream``) on CUDA until ours is validated on a GPU.
+    max_n: the largest ``n`` (parallel samples) a request may ask for; larger requests get a 400
+        (see sglang_kda/validation.py).
     """
 
     policy: str = "kda"
     kernel: str = "auto"
+    max_n: int = DEFAULT_MAX_N
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -43,6 +59,7 @@ class KDAConfig:
             raise ConfigError(
                 f"--kda-kernel must be one of {', '.join(KERNELS)}; got {self.kernel!r}"
             )
+        object.__setattr__(self, "max_n", _positive_int(self.max_n, "--kda-max-n", MAX_N_LIMIT))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
