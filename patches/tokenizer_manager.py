@@ -1,37 +1,94 @@
-"""Patch ``sglang.srt.managers.tokenizer_manager``: reject empty and out-of-vocab prompts (400).
+"""Patch ``sglang.srt.managers.tokenizer_manager``: the server's door turns hostile requests away (400).
 
 Upstream: ``TokenizerManager._validate_one_request`` (length checks before a request is sent to
-    the scheduler; its ``ValueError`` becomes an HTTP 400).
+    the scheduler; its ``ValueError`` becomes an HTTP 400), ``TokenizerManager.generate_request``
+    (every generate entry point), ``TokenizerManager.__init__``; and, from the process that builds
+    a ``TokenizerManager`` (the HTTP server's), ``sglang.srt.entrypoints.http_server``
+    (``generate_contract_error``, ``_create_error_response``, the ``RequestValidationError``
+    handler of ``app``) and ``sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase``
+    (``handle_request``, ``create_error_response``).
 Why: SGLang 0.5.23 forwards a prompt of zero tokens (``{"text": ""}`` with a tokenizer that adds
     no BOS, or ``{"input_ids": []}``) to the scheduler, where a zero-length extend reaches the
     model; on the KDA path that took the scheduler, and with it the server, down. A token id
     outside ``[0, vocab_size)`` in ``input_ids`` likewise reaches the embedding lookup and kills
     the scheduler (``IndexError``), on any KDA policy and upstream alike.
-How: wraps the method; a request with no input tokens (and no input embeddings), or with a token
-    id outside the vocabulary, raises ``ValueError`` before the original checks run.
-Remove when: upstream validates non-empty, in-vocabulary input in the tokenizer manager.
+    ``top_logprobs_num`` beyond the vocabulary kills the scheduler (``topk`` out of range);
+    ``"n": 1000000`` fans the request out a million times in the tokenizer manager and hangs the
+    server until it is killed for memory; ``top_logprobs_num: -1``, ``stop: [""]``,
+    ``stop_token_ids: [-1, 1e10]``, ``logprob_start_len`` below -1 and other nonsense were served
+    without complaint; FastAPI's validation-error text put the server's Python file paths into
+    400 bodies.
+How: the checks live in :mod:`sglang_kda.validation` (limits: the model's vocabulary and context,
+    ``--kda-max-n``). ``generate_request`` checks the request before SGLang normalises (fans out)
+    it; ``_validate_one_request`` rejects empty / out-of-vocabulary prompts and checks
+    ``logprob_start_len`` against the tokenized prompt. The first ``TokenizerManager`` built in a
+    process installs the HTTP-side hooks there: ``/generate`` runs the same checks in its
+    contract gate (so streaming requests get a 400 too, not an error event in a 200 stream);
+    the OpenAI completion and chat routes check their own fields (OpenAI names in the message)
+    before converting the request; validation errors are reduced to loc/msg/type, and every
+    error message is scrubbed of file paths and traceback lines.
+Remove when: upstream bounds ``n`` and the logprob counts, rejects empty stop strings and
+    out-of-vocabulary ids, and keeps file paths out of error bodies.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 
 UPSTREAM = "sglang.srt.managers.tokenizer_manager"
+HTTP_SERVER = "sglang.srt.entrypoints.http_server"
+SERVING_BASE = "sglang.srt.entrypoints.openai.serving_base"
+
+logger = logging.getLogger(__name__)
+
+# GenerateReqInput fields the checks read.
+_GENERATE_FIELDS = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+    "token_ids_logprob",
+    "stream",
+)
+
+_max_n = None  # set by apply() from --kda-max-n
+_http_hooks_installed = False
 
 
 def wanted(ctx) -> bool:
     return True
 
 
+def limits_of(tm):
+    """:class:`~sglang_kda.validation.Limits` of a ``TokenizerManager``."""
+    from sglang_kda.validation import DEFAULT_MAX_N, Limits
+
+    return Limits(
+        vocab_size=int(tm.model_config.vocab_size),
+        max_n=_max_n or DEFAULT_MAX_N,
+        context_len=getattr(tm, "context_len", None),
+    )
+
+
+def _fields(obj) -> dict:
+    return {k: getattr(obj, k, None) for k in _GENERATE_FIELDS}
+
+
 def apply(ctx) -> None:
-    import importlib
-
+    global _max_n
+    _max_n = ctx.config.max_n
     cls = importlib.import_module(UPSTREAM).TokenizerManager
-    orig = cls._validate_one_request
-    if getattr(orig, "_sglang_kda", False):
+    if getattr(cls._validate_one_request, "_sglang_kda", False):
         return
+    from sglang_kda import validation
 
-    @functools.wraps(orig)
+    orig_validate = cls._validate_one_request
+
+    @functools.wraps(orig_validate)
     def _validate_one_request(self, obj, input_ids):
         if (input_ids is None or len(input_ids) == 0) and getattr(
             obj, "input_embeds", None
@@ -45,7 +102,132 @@ def apply(ctx) -> None:
                 raise ValueError(
                     f"input_ids contains token id {bad} outside the vocabulary [0, {vocab_size})."
                 )
-        return orig(self, obj, input_ids)
+        out = orig_validate(self, obj, input_ids)  # may truncate input_ids
+        if input_ids and hasattr(obj, "logprob_start_len") and getattr(obj, "return_logprob", False):
+            validation.check_logprob_start(obj.logprob_start_len, len(input_ids))
+        return out
 
     _validate_one_request._sglang_kda = True
     cls._validate_one_request = _validate_one_request
+
+    orig_generate = cls.generate_request
+    generate_req_input = importlib.import_module("sglang.srt.managers.io_struct").GenerateReqInput
+
+    @functools.wraps(orig_generate)
+    async def generate_request(self, obj, request=None):
+        if isinstance(obj, generate_req_input):
+            validation.check_generate(_fields(obj), limits_of(self))
+        async for out in orig_generate(self, obj, request):
+            yield out
+
+    generate_request._sglang_kda = True
+    cls.generate_request = generate_request
+
+    orig_init = cls.__init__
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        try:
+            install_http_hooks(self)
+        except Exception:  # the server runs without the HTTP-side checks rather than not at all
+            logger.exception("sglang_kda: could not install the HTTP request checks")
+
+    __init__._sglang_kda = True
+    cls.__init__ = __init__
+
+
+def install_http_hooks(tm) -> None:
+    """Wire the checks and the error scrubbing into the HTTP routes of this process (once)."""
+    global _http_hooks_installed
+    if _http_hooks_installed:
+        return
+    from sglang_kda import validation
+
+    http = importlib.import_module(HTTP_SERVER)
+    base = importlib.import_module(SERVING_BASE).OpenAIServingBase
+    protocol = importlib.import_module("sglang.srt.entrypoints.openai.protocol")
+    from fastapi.exceptions import RequestValidationError
+
+    def current_limits():
+        state = getattr(http, "_global_state", None)
+        return limits_of(getattr(state, "tokenizer_manager", None) or tm)
+
+    # /generate: our checks, then SGLang's JSON contract (its text names no field).
+    orig_contract = http.generate_contract_error
+
+    @functools.wraps(orig_contract)
+    def generate_contract_error(body):
+        if isinstance(body, dict):
+            try:
+                validation.check_generate(body, current_limits(), validation.prompt_length(body))
+            except validation.RequestError as e:
+                return str(e)
+        return orig_contract(body)
+
+    http.generate_contract_error = generate_contract_error
+
+    # Native error bodies: no file paths.
+    orig_error_response = http._create_error_response
+
+    @functools.wraps(orig_error_response)
+    def _create_error_response(e):
+        clean = validation.scrub_paths(str(e))
+        if clean != str(e):
+            scrubbed = ValueError(clean)
+            if hasattr(e, "status_code"):
+                scrubbed.status_code = e.status_code
+            e = scrubbed
+        return orig_error_response(e)
+
+    http._create_error_response = _create_error_response
+
+    # FastAPI validation errors: loc/msg/type only (its text carries the endpoint's file path).
+    handlers = http.app.exception_handlers
+    orig_handler = handlers.get(RequestValidationError)
+    if orig_handler is not None:
+
+        @functools.wraps(orig_handler)
+        async def validation_exception_handler(request, exc):
+            clean = RequestValidationError(validation.clean_validation_errors(list(exc.errors())))
+            return await orig_handler(request, clean)
+
+        handlers[RequestValidationError] = validation_exception_handler
+
+    # OpenAI routes: check with OpenAI field names before the request is converted.
+    checks = (
+        (protocol.CompletionRequest, validation.check_completion),
+        (protocol.ChatCompletionRequest, validation.check_chat),
+    )
+    orig_handle = base.handle_request
+
+    @functools.wraps(orig_handle)
+    async def handle_request(self, request, raw_request):
+        for req_cls, check in checks:
+            if isinstance(request, req_cls):
+                try:
+                    check(_Attrs(request), limits_of(self.tokenizer_manager))
+                except validation.RequestError as e:
+                    return self.create_error_response(str(e), param=e.field)
+        return await orig_handle(self, request, raw_request)
+
+    base.handle_request = handle_request
+
+    orig_create_error = base.create_error_response
+
+    @functools.wraps(orig_create_error)
+    def create_error_response(self, message, *args, **kwargs):
+        return orig_create_error(self, validation.scrub_paths(message), *args, **kwargs)
+
+    base.create_error_response = create_error_response
+    _http_hooks_installed = True
+
+
+class _Attrs:
+    """``.get`` over an object's attributes, for the mapping-reading checks."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def get(self, key, default=None):
+        return getattr(self._obj, key, default)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from sglang_kda import _boot
-from sglang_kda.config import KERNELS, POLICIES, ConfigError, KDAConfig
+from sglang_kda.config import DEFAULT_MAX_N, KERNELS, POLICIES, ConfigError, KDAConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -56,6 +56,15 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
             "'auto': torch on CPU, SGLang's own Triton kernel on CUDA. Default: auto."
         ),
     )
+    group.add_argument(
+        "--kda-max-n",
+        default=str(DEFAULT_MAX_N),
+        help=(
+            "The largest n (parallel samples per request) a request may ask for, on the native "
+            "and the OpenAI routes; larger requests get a 400 naming the field. "
+            f"Default: {DEFAULT_MAX_N}."
+        ),
+    )
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -82,8 +91,11 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
     for a in rest:
         if a.startswith("--kda-"):
             name = a.split("=", 1)[0]
-            raise ConfigError(f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel)")
-    return KDAConfig(policy=known.kda_policy, kernel=known.kda_kernel), rest
+            raise ConfigError(
+                f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n)"
+            )
+    config = KDAConfig(policy=known.kda_policy, kernel=known.kda_kernel, max_n=known.kda_max_n)
+    return config, rest
 
 
 def _checkpoint_dtype(model_path: str) -> str | None:
