@@ -6,6 +6,12 @@ directory that SGLang 0.5.23 loads through its normal safetensors loader as
 
 * ``config.json``: a scaled-down Kimi-Linear config (the real checkpoint's field names and
   conventions: 1-based ``linear_attn_config.kda_layers``, NoPE MLA, sigmoid/noaux_tc MoE router).
+  Only sizes are scaled down: every value that changes the math is Kimi-Linear-48B-A3B's
+  (``routed_scaling_factor`` 2.446, ``moe_renormalize``, sigmoid router with
+  ``e_score_correction_bias``, ``use_grouped_topk``, one shared expert, ``first_k_dense_replace``
+  1, NoPE MLA, ``rms_norm_eps`` 1e-5, silu), except the expert groups: 4 groups of 2 experts,
+  top-2 groups, where the real checkpoint has a single group (a no-op). The context length is
+  131072 tokens (see :data:`CONTEXT_LENGTH`).
 * ``tokenizer.json`` + ``tokenizer_config.json`` + ``special_tokens_map.json``: a byte-level BPE
   tokenizer (vocab 1024) trained here with ``tokenizers`` on a corpus generated from the embedded
   word lists below by a fixed-seed RNG, with Kimi-style chat special tokens and a Jinja chat
@@ -49,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 """Bump whenever the bytes produced for a given seed change (invalidates existing manifests)."""
 
 MANIFEST_NAME = "tiny_model_manifest.json"
@@ -108,11 +114,20 @@ DENSE_INTER = 256
 LOGIT_GAIN = 6.0  # sharpens the bigram logits to a trained-model-like range (std ~2)
 OUT_GAIN = 0.35  # std gain of residual-branch output projections (o_proj, down_proj, w2)
 RMS_EPS = 1e-5  # real Kimi-Linear value; also SGLang's hard-coded KDA o_norm eps (1e-5)
-ROUTED_SCALING_FACTOR = 1.0
-# 1.0 rather than the real 2.446 on purpose: SGLang 0.5.23 applies routed_scaling_factor inside
-# the fused Triton/FlashInfer expert kernels (GPU) but its CPU fallback (UnquantizedFusedMoEMethod
-# .forward_cpu -> moe_forward_native) and KimiMoE.forward never apply it, so with a factor != 1
-# the CPU and GPU engines would disagree. With 1.0 every path agrees with HF semantics.
+# Router: the real Kimi-Linear-48B-A3B values wherever they change the math. The real factor
+# 2.446 (SGLang's CPU engine needs patches/kimi_linear_moe.py for it); renormalised sigmoid
+# scores; a non-zero correction bias. The real checkpoint has one expert group (group-limited
+# routing is then a no-op); the tiny model uses 4 groups of 2 experts, top-2 groups, so the
+# grouped top-k code path that the real config selects (use_grouped_topk) is really exercised.
+ROUTED_SCALING_FACTOR = 2.446
+MOE_RENORMALIZE = True
+NUM_EXPERT_GROUP, TOPK_GROUP = 4, 2
+FIRST_K_DENSE = 1  # real value: layer 0 is a dense MLP
+# Context length (``model_max_length``, what SGLang reads first, and ``max_position_embeddings``).
+# The real checkpoint says 1048576; MLA is NoPE and KDA has no positions, so any length is exact.
+# 131072 rather than 1M keeps SGLang's per-request token table (req_to_token, int32 x context
+# length x max running requests) small on CPU, and still takes 65,536-token prompts.
+CONTEXT_LENGTH = 131072
 
 
 def make_config() -> dict:
@@ -133,8 +148,8 @@ def make_config() -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": RMS_EPS,
         "initializer_range": 0.02,
-        "max_position_embeddings": 4096,
-        "model_max_length": 4096,
+        "max_position_embeddings": CONTEXT_LENGTH,
+        "model_max_length": CONTEXT_LENGTH,
         "rope_theta": 10000.0,
         "rope_scaling": None,
         "use_cache": True,
@@ -170,13 +185,13 @@ def make_config() -> dict:
         "num_shared_experts": NUM_SHARED,
         "moe_intermediate_size": MOE_INTER,
         "moe_router_activation_func": "sigmoid",
-        "moe_renormalize": True,
+        "moe_renormalize": MOE_RENORMALIZE,
         "routed_scaling_factor": ROUTED_SCALING_FACTOR,
         "use_grouped_topk": True,
-        "num_expert_group": 1,
-        "topk_group": 1,
+        "num_expert_group": NUM_EXPERT_GROUP,
+        "topk_group": TOPK_GROUP,
         "topk_method": "noaux_tc",
-        "first_k_dense_replace": 1,
+        "first_k_dense_replace": FIRST_K_DENSE,
         "moe_layer_freq": 1,
         "num_nextn_predict_layers": 0,
     }
@@ -188,7 +203,7 @@ def make_generation_config() -> dict:
         "bos_token_id": BOS_ID,
         "eos_token_id": [EOS_ID, IM_END_ID],
         "pad_token_id": PAD_ID,
-        "max_length": 4096,
+        "max_length": CONTEXT_LENGTH,
     }
 
 
@@ -367,7 +382,7 @@ def _tokenizer_config() -> dict:
         "add_eos_token": False,
         "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
+        "model_max_length": CONTEXT_LENGTH,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
             str(i): {
@@ -543,7 +558,7 @@ def _make_weights(seed: int, bigrams: torch.Tensor | None) -> dict[str, torch.Te
             w[a + "o_proj.weight"] = _linear(
                 seed, a + "o_proj", HIDDEN, MLA_HEADS * V_HEAD, out_gain
             )
-        if i < 1:  # first_k_dense_replace = 1
+        if i < FIRST_K_DENSE:
             m = p + "mlp."
             w[m + "gate_proj.weight"] = _linear(seed, m + "gate_proj", DENSE_INTER, HIDDEN)
             w[m + "up_proj.weight"] = _linear(seed, m + "up_proj", DENSE_INTER, HIDDEN)
@@ -553,16 +568,22 @@ def _make_weights(seed: int, bigrams: torch.Tensor | None) -> dict[str, torch.Te
         else:
             m = p + "block_sparse_moe."
             # Router logits ~N(0, 1.5^2) so sigmoid scores spread over (0, 1); the correction
-            # bias is the same order as score gaps so it really changes the selection.
+            # bias is the same order as score gaps so it really changes the selection. It is
+            # non-negative so every biased score is > 0: Moonshot's published modelling code
+            # fills the experts of dropped groups with 0.0 where SGLang and transformers use
+            # -inf, and the two only pick differently when a kept expert scores below 0.
             w[m + "gate.weight"] = _linear(seed, m + "gate", NUM_EXPERTS, HIDDEN, 1.5)
-            w[m + "gate.e_score_correction_bias"] = _normal(
-                seed, m + "gate.e_score_correction_bias", (NUM_EXPERTS,), 0.1
+            w[m + "gate.e_score_correction_bias"] = _uniform(
+                seed, m + "gate.e_score_correction_bias", (NUM_EXPERTS,), 0.0, 0.3
             )
             for e in range(NUM_EXPERTS):
                 x = f"{m}experts.{e}."
                 w[x + "w1.weight"] = _linear(seed, x + "w1", MOE_INTER, HIDDEN)
                 w[x + "w3.weight"] = _linear(seed, x + "w3", MOE_INTER, HIDDEN)
-                w[x + "w2.weight"] = _linear(seed, x + "w2", HIDDEN, MOE_INTER, out_gain)
+                # Trained experts are calibrated to the factor their output is multiplied by.
+                w[x + "w2.weight"] = _linear(
+                    seed, x + "w2", HIDDEN, MOE_INTER, out_gain / ROUTED_SCALING_FACTOR
+                )
             s = m + "shared_experts."
             inter = MOE_INTER * NUM_SHARED
             w[s + "gate_proj.weight"] = _linear(seed, s + "gate_proj", inter, HIDDEN)

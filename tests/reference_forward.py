@@ -12,20 +12,29 @@ the HF modelling code it says so below.
   ``g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)`` per channel; ``beta = sigmoid(b_proj x)``;
   delta rule ``S <- diag(exp g) S; S += beta k (v - S^T k)^T; o = S^T q`` with S [K, V] per
   head; output ``rmsnorm(o) * o_norm.w * sigmoid(g_b(g_a(x)))`` (eps 1e-5: SGLang hard-codes
-  KimiDeltaAttention's ``rms_norm_eps=1e-5`` default, HF uses ``config.rms_norm_eps``), o_proj.
+  KimiDeltaAttention's ``rms_norm_eps=1e-5`` default, HF uses ``config.rms_norm_eps``: the same
+  for Kimi-Linear-48B-A3B and the tiny model), o_proj.
 * MLA layers: ``DeepseekV2AttentionMLA`` as SGLang builds it for Kimi-Linear, i.e. with
   ``skip_rope=True`` (NoPE; SGLang does this unconditionally, whatever ``mla_use_nope`` says):
   ``q = q_proj x`` split [nope | rope]; ``kv_a_proj_with_mqa x`` split [kv_lora | rope];
-  the latent goes through ``kv_a_layernorm`` (the rope slice does not), ``kv_b_proj`` gives
+  the latent goes through ``kv_a_layernorm`` (the rope slice does not; eps ``rms_norm_eps`` as
+  in SGLang, where both HF modelling codes use their RMSNorm default 1e-6), ``kv_b_proj`` gives
   per-head [k_nope | v]; keys are ``[k_nope, k_pe]`` with the single k_pe shared by all heads,
   unrotated; softmax scale ``(nope + rope)^-0.5`` (no YaRN mscale since rope_scaling is None).
-* MoE (layers >= first_k_dense_replace, every moe_layer_freq): SGLang's
-  ``biased_grouped_topk_impl``: scores = sigmoid(router logits); experts are *selected* by
-  ``scores + e_score_correction_bias`` (group-limited top-k), *weighted* by the unbiased scores,
-  renormalised ``w / (sum w + 1e-20)``, times ``routed_scaling_factor``; experts are SwiGLU
-  ``w2(silu(w1 x) * w3 x)``; the shared expert (inter = moe_inter * num_shared) is added
-  unscaled. (SGLang's CPU ``moe_forward_native`` omits routed_scaling_factor; the tiny model
-  uses 1.0 so that does not matter.)
+* MoE (layers >= first_k_dense_replace, every moe_layer_freq): the HF modelling code's router
+  (Moonshot's ``KimiSparseMoeBlock``, transformers' ``KimiLinearTopkRouter``; SGLang's
+  ``biased_grouped_topk_impl`` is the same function): scores = sigmoid(router logits); experts
+  are *selected* by ``scores + e_score_correction_bias``, group-limited (the experts are split
+  into ``num_expert_group`` contiguous groups, a group scores the sum of its two best biased
+  scores, the best ``topk_group`` groups stay, top-k over their experts); *weighted* by the
+  unbiased scores, renormalised ``w / (sum w + 1e-20)`` when ``moe_renormalize``, times
+  ``routed_scaling_factor``; experts are SwiGLU ``w2(silu(w1 x) * w3 x)``; the shared expert
+  (inter = moe_inter * num_shared) is added unscaled. Where the implementations differ: dropped
+  groups' experts are filled with -inf here (SGLang, transformers) and 0.0 in Moonshot's code,
+  which only matters when a kept expert's biased score is below 0 (the tiny model's
+  non-negative biases rule that out); Moonshot's code skips the renormalisation for top-1, SGLang
+  does not (the reference follows SGLang). SGLang's CPU engine omits routed_scaling_factor
+  unless patches/kimi_linear_moe.py is applied (the server applies it).
 
 Two code paths compute the same function, so comparing them checks the state handling:
 
@@ -231,10 +240,18 @@ class ReferenceKimiLinear:
         self.top_k = config.get("num_experts_per_token")
         self.first_dense = config.get("first_k_dense_replace", 0)
         self.moe_freq = config.get("moe_layer_freq", 1)
-        self.renormalize = config.get("moe_renormalize", True)
+        # The checkpoint's names first, transformers' aliases second.
+        self.renormalize = bool(config.get("moe_renormalize",
+                                           config.get("norm_topk_prob", True)))
         self.routed_scale = float(config.get("routed_scaling_factor", 1.0))
-        self.n_group = config.get("num_expert_group") or 1
+        self.n_group = config.get("num_expert_group", config.get("n_group")) or 1
         self.topk_group = config.get("topk_group") or 1
+        if self.num_experts is not None:
+            per_group = self.num_experts // self.n_group
+            if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+                raise ValueError("num_experts / num_expert_group / topk_group do not fit")
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError("top-k exceeds the experts of the kept groups")
         if config.get("moe_router_activation_func", "sigmoid") != "sigmoid":
             raise NotImplementedError("only the sigmoid (noaux_tc) router is implemented")
         if config.get("hidden_act", "silu") != "silu":
@@ -382,7 +399,8 @@ class ReferenceKimiLinear:
 
     # -- MoE / MLP ------------------------------------------------------------------------
     def route(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """SGLang biased_grouped_topk for layer ``i``: x [T, hidden] -> (weights [T, k],
+        """The sigmoid, bias-corrected, group-limited router of layer ``i`` (see the module
+        docstring): x [T, hidden] -> (weights [T, k] including routed_scaling_factor,
         expert ids [T, k])."""
         p = f"model.layers.{i}.block_sparse_moe.gate."
         scores = torch.sigmoid(x @ self.w[p + "weight"].t())  # [T, E]

@@ -122,6 +122,58 @@ def test_build_is_idempotent(model_dirs: dict, tmp_path: Path) -> None:
     assert _hashes(d) == _hashes(a)
 
 
+# -- config: the real Kimi-Linear-48B-A3B values wherever they change the math ----------------
+REAL_MATH = {  # moonshotai/Kimi-Linear-48B-A3B-Instruct config.json
+    "routed_scaling_factor": 2.446,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "use_grouped_topk": True,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "mla_use_nope": True,
+    "q_lora_rank": None,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+
+def test_config_carries_real_values(model_dirs: dict) -> None:
+    cfg = json.loads((model_dirs["a"] / "config.json").read_text())
+    assert cfg == tiny_model.make_config()
+    assert {k: cfg[k] for k in REAL_MATH} == REAL_MATH
+    # Grouped top-k really limits the choice (the real checkpoint has one group, a no-op):
+    # several groups, not all of them kept, and more candidates than experts per token.
+    e, groups, kept, k = (cfg["num_experts"], cfg["num_expert_group"], cfg["topk_group"],
+                          cfg["num_experts_per_token"])
+    assert e % groups == 0 and 1 < kept < groups and k < kept * e // groups
+    # Long prompts out of the box: SGLang reads model_max_length first (NoPE MLA, no positions).
+    assert cfg["model_max_length"] == cfg["max_position_embeddings"] >= 2 * 65536
+    tok_cfg = json.loads((model_dirs["a"] / "tokenizer_config.json").read_text())
+    assert tok_cfg["model_max_length"] == cfg["model_max_length"]
+    # Non-zero, non-negative correction biases (see tiny_model: 0.0 vs -inf group masking).
+    with safe_open(str(model_dirs["a"] / "model.safetensors"), "pt") as f:
+        for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+            bias = f.get_tensor(f"model.layers.{i}.block_sparse_moe.gate.e_score_correction_bias")
+            assert bias.min() >= 0 and bias.std() > 0.03, i
+
+
+def test_manifest_version_gates_stale_builds(model_dirs: dict, tmp_path: Path) -> None:
+    """A build from an older generator version is rebuilt, not reused."""
+    d = tmp_path / "stale"
+    d.mkdir()
+    for p in model_dirs["a"].iterdir():
+        (d / p.name).write_bytes(p.read_bytes())
+    manifest = json.loads((d / tiny_model.MANIFEST_NAME).read_text())
+    manifest["version"] = "2"
+    (d / tiny_model.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert not tiny_model.is_complete(d, seed=0)
+    tiny_model.build_tiny_model(d, seed=0)
+    assert _hashes(d) == _hashes(model_dirs["a"])
+
+
 # -- checkpoint layout ------------------------------------------------------------------------
 def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Kimi-Linear HF checkpoint names/shapes, written out from the config independently of
@@ -233,6 +285,40 @@ def test_kda_chunked_matches_recurrent() -> None:
         torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-10)
 
 
+def test_route_groups_bias_renormalisation_scaling() -> None:
+    """A hand-checked routing example: 8 experts in 4 groups of 2, top-2 groups, top-2 experts,
+    the bias decides the selection, the unbiased scores the weights."""
+    E, H = 8, 8
+    cfg = {"linear_attn_config": {"kda_layers": [], "num_heads": 1, "head_dim": 1,
+                                  "short_conv_kernel_size": 2},
+           "num_hidden_layers": 2, "rms_norm_eps": 1e-5, "num_attention_heads": 1,
+           "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 1, "v_head_dim": 1,
+           "num_experts": E, "num_experts_per_token": 2, "first_k_dense_replace": 1,
+           "moe_renormalize": True, "routed_scaling_factor": 2.446, "num_expert_group": 4,
+           "topk_group": 2}
+    # Identity router: the logits are x itself.
+    sig = torch.tensor([0.90, 0.05, 0.60, 0.55, 0.50, 0.45, 0.10, 0.80], dtype=torch.float64)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.20, 0.0, 0.0], dtype=torch.float64)
+    w = {"model.layers.1.block_sparse_moe.gate.weight": torch.eye(E, H, dtype=torch.float64),
+         "model.layers.1.block_sparse_moe.gate.e_score_correction_bias": bias}
+    ref = rf.ReferenceKimiLinear(cfg, w)
+    x = torch.logit(sig).unsqueeze(0)
+    weights, ids = ref.route(1, x)
+    # Biased group scores: {0,1}: 0.95, {2,3}: 1.15, {4,5}: 1.15, {6,7}: 0.90 -> groups 1 and 2
+    # survive, so expert 0 (best score 0.9) and expert 7 (0.8) are out; among 2..5 the biased
+    # scores are 0.60, 0.55, 0.50, 0.65 -> experts 5 and 2 (expert 5 only thanks to its bias).
+    assert sorted(ids[0].tolist()) == [2, 5]
+    got = dict(zip(ids[0].tolist(), weights[0].tolist()))
+    total = 0.60 + 0.45  # unbiased scores, renormalised, times the factor
+    assert got[2] == pytest.approx(2.446 * 0.60 / total, abs=1e-12)
+    assert got[5] == pytest.approx(2.446 * 0.45 / total, abs=1e-12)
+    # Without renormalisation the unbiased scores are only scaled.
+    ref.renormalize = False
+    weights, ids = ref.route(1, x)
+    got = dict(zip(ids[0].tolist(), weights[0].tolist()))
+    assert got == pytest.approx({2: 2.446 * 0.60, 5: 2.446 * 0.45}, abs=1e-12)
+
+
 def test_incremental_decode_matches_full_forward(ref: rf.ReferenceKimiLinear, tok) -> None:
     prompts = PROMPTS + [
         "Alice said: \"the golden dragon is brave and kind.\" In 1999, Bob traveled to Paris "
@@ -280,6 +366,9 @@ def test_realistic_statistics(ref: rf.ReferenceKimiLinear, tok) -> None:
     scores = torch.sigmoid(x @ ref.w["model.layers.1.block_sparse_moe.gate.weight"].t())
     unbiased = scores.topk(2).indices.sort(dim=1).values
     assert (unbiased != chosen.sort(dim=1).values).any()
+    bias = ref.w["model.layers.1.block_sparse_moe.gate.e_score_correction_bias"]
+    ungrouped = (scores + bias).topk(2).indices.sort(dim=1).values
+    assert (ungrouped != chosen.sort(dim=1).values).any()  # the group limit matters too
     logits = ref.forward(ids)
     assert 0.5 < logits.std(dim=-1).mean().item() < 10
 
@@ -334,11 +423,21 @@ def _sglang_load_check(model_dir: Path, workdir: Path) -> None:
     assert cfg.linear_layer_ids == [0, 1, 2] and cfg.full_attention_layer_ids == [3]
     assert cfg.is_mla and cfg.is_moe and cfg.is_linear_attn and cfg.mla_use_nope is True
     assert cfg.num_experts_per_token == 2 and cfg.n_routed_experts == 8
-    assert cfg.routed_scaling_factor == 1.0 and cfg.dtype == torch.float32
+    assert cfg.routed_scaling_factor == 2.446 and cfg.dtype == torch.float32
+    assert (cfg.moe_renormalize, cfg.use_grouped_topk, cfg.num_expert_group, cfg.topk_group) == (
+        True, True, 4, 2)
+    from sglang.srt.utils.hf_transformers import get_context_length
+
+    assert get_context_length(cfg) == raw["model_max_length"] >= 2 * 65536
 
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method=f"file://{workdir / 'pg'}")
     initialize_model_parallel(backend="gloo")
+    # As the server does: the CPU engine needs patches/kimi_linear_moe.py for
+    # routed_scaling_factor (tests/test_kimi_linear_moe.py shows it off without).
+    from sglang_kda.patches import current_context, patch_module
+
+    patch_module("kimi_linear_moe").apply(current_context())
     from sglang.srt.models.kimi_linear import KimiLinearForCausalLM
 
     model = KimiLinearForCausalLM(cfg)
@@ -392,6 +491,13 @@ def _sglang_load_check(model_dir: Path, workdir: Path) -> None:
     assert mla.kv_a_layernorm.variance_epsilon == cfg.rms_norm_eps
     kda = model.model.layers[0].self_attn
     assert kda.o_norm.eps == rf.KDA_O_NORM_EPS and kda.o_norm.activation == "sigmoid"
+    # The router SGLang builds reads the config's routing values.
+    for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        tc = model.model.layers[i].mlp.topk.topk_config
+        assert (tc.use_grouped_topk, tc.num_expert_group, tc.topk_group, tc.renormalize) == (
+            True, 4, 2, True)
+        assert tc.routed_scaling_factor == 2.446 and tc.apply_routed_scaling_factor_on_output
+        assert tc.correction_bias is model.model.layers[i].mlp.gate.e_score_correction_bias
     for name, want in expect.items():
         assert torch.equal(params[name].detach(), want), name
 
