@@ -116,3 +116,38 @@ def check_against_reference(server: Server, prompts, reference, order) -> list[i
         assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"prompt {i}: logprobs differ"
         cached.append(out["meta_info"]["cached_tokens"])
     return cached
+
+
+# --- Occupancy / idle helpers (abort storm test, soak benchmark) ------------------------------
+
+
+def kda_report(server: Server) -> dict:
+    """The ``sglang_kda`` block of ``/server_info`` (reported by the scheduler process)."""
+    return server.get("/server_info").json()["internal_states"][0]["sglang_kda"]
+
+
+def wait_until_no_requests(server: Server, timeout_s: float = 120) -> dict:
+    """Polls until the scheduler holds no running and no waiting request; returns occupancy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        occ = kda_report(server)["occupancy"]
+        if occ["running_reqs"] == 0 and occ["waiting_reqs"] == 0:
+            return occ
+        if time.monotonic() > deadline:
+            raise AssertionError(f"requests still held after {timeout_s}s: {occ}")
+        time.sleep(0.5)
+
+
+def flush_cache_until_ok(server: Server, timeout_s: float = 120) -> int:
+    """``/flush_cache`` refuses (400) while any request runs; retries until it succeeds.
+    Returns the number of refusals seen."""
+    deadline = time.monotonic() + timeout_s
+    refusals = 0
+    while True:
+        r = server.post("/flush_cache", {}, timeout=60)
+        if r.status_code == 200:
+            return refusals
+        refusals += 1
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/flush_cache still refused after {timeout_s}s: {r.text[:300]}")
+        time.sleep(0.5)
