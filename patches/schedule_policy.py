@@ -11,7 +11,12 @@ How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_gri
     cache holds KDA/mamba states; a chunked admission's ``extend_len`` and the continuing chunk's
     length both become :func:`sglang_kda.policy.grid.aligned_chunk_len` (never longer than what
     upstream chose, so every budget check upstream made still holds); each cut is recorded in
-    ``RECENT_CUTS`` (shown by ``/server_info``). Only with ``--kda-policy kda``.
+    ``RECENT_CUTS`` (shown by ``/server_info``). A cut gives tokens back to the round's budget,
+    which upstream never does for an unfinished chunk; SGLang tracks a single unfinished chunked
+    request per round (``Scheduler.chunked_req``), so once a round holds one (an admission that
+    stays chunked, or a continuing chunk that is still truncated) ``_commit_prefill_admission``
+    and ``add_chunked_req`` close the round's chunk budget (``rem_chunk_tokens = 0``): no second
+    request can be admitted and cut in the same round. Only with ``--kda-policy kda``.
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
 
@@ -50,6 +55,8 @@ def apply(ctx) -> None:
     orig_init = cls.__init__
     orig_floor = cls.floor_chunked_tokens
     orig_select = cls._select_prefill_admission
+    orig_commit = cls._commit_prefill_admission
+    orig_add_chunked = cls.add_chunked_req
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         taken = aligned_chunk_len(prefix_len, budget, remaining, self._kda_grid)
@@ -71,6 +78,25 @@ def apply(ctx) -> None:
         taken = cut(self, adm.prefix_len, adm.extend_len, remaining)
         return dataclasses.replace(adm, extend_len=taken)
 
+    def close_round(self) -> None:
+        """The round now holds an unfinished chunked request: admit nothing more."""
+        if self._kda_grid > 1 and self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens = min(self.rem_chunk_tokens, 0)
+
+    @functools.wraps(orig_commit)
+    def _commit_prefill_admission(self, req, admission, *args, **kwargs):
+        orig_commit(self, req, admission, *args, **kwargs)
+        if admission.is_chunked:
+            close_round(self)
+
+    @functools.wraps(orig_add_chunked)
+    def add_chunked_req(self, req):
+        self._kda_prefix_len = req.prefix_len
+        still_chunked = orig_add_chunked(self, req)
+        if still_chunked is not None:  # running this round or parked: either way it is the one
+            close_round(self)
+        return still_chunked
+
     def noting_prefix(orig):
         """``floor_chunked_tokens`` is not told the prefix; its callers know it."""
 
@@ -89,7 +115,8 @@ def apply(ctx) -> None:
 
     cls.__init__ = __init__
     cls._select_prefill_admission = _select_prefill_admission
-    cls.add_chunked_req = noting_prefix(cls.add_chunked_req)
+    cls._commit_prefill_admission = _commit_prefill_admission
+    cls.add_chunked_req = add_chunked_req
     cls.add_one_req_ignore_eos = noting_prefix(cls.add_one_req_ignore_eos)
     cls.floor_chunked_tokens = floor_chunked_tokens
     cls._orig_floor_chunked_tokens = orig_floor
