@@ -1,0 +1,146 @@
+"""Patch ``sglang.srt.layers.attention.torch_native_backend``: blockwise causal extend attention.
+
+Upstream: ``TorchNativeAttnBackend._run_sdpa_forward_extend``, the prefill / chunked-prefill
+    attention of the ``torch_native`` backend. On the CPU engine the MLA layers of Kimi-Linear run
+    absorbed (``patches/mla_cpu.py``): ``forward_absorb_core`` -> ``attn_mqa`` (RadixAttention) ->
+    ``HybridLinearAttnBackend`` -> ``TorchNativeAttnBackend.forward_extend`` -> this method, with
+    4 query heads of ``kv_lora_rank + rope`` columns over the single-head latent pool (the value
+    buffer is a leading-column view of the key buffer).
+Why: upstream pads each request's query to the whole sequence (prefix + chunk) and runs causal
+    SDPA over all of it, keeping only the chunk's rows: every chunked-prefill round costs and
+    allocates the whole sequence squared (a 32k prompt took the scheduler to 23 GB and the OOM
+    killer; chunk 64 on a 6k prompt was 23x slower than chunk 4096).
+How: wraps the method; for causal self-attention without encoder or sliding window (every call
+    the CPU path of Kimi-Linear makes) it runs :func:`sglang_kda.cpu.mla_attention.
+    extend_attention_batch` instead: the chunk's rows against their context, blockwise over the
+    cached rows with an online softmax (memory: chunk rows + one key block), gathering each
+    latent row once. Any other call goes to upstream's method unchanged. The first use is logged
+    once per process (the server tests look for that line).
+Remove when: upstream's torch_native extend attends only the new rows (or the CPU engine gets an
+    MLA backend that does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+UPSTREAM = "sglang.srt.layers.attention.torch_native_backend"
+
+logger = logging.getLogger(__name__)
+
+LOG_LINE = "sglang_kda: blockwise extend attention in use"
+
+TRACE_ENV = "SGLANG_KDA_EXTEND_TRACE"
+"""If set to a file path, each extend attention call appends one JSON line there (start time,
+wall and CPU seconds, prefix and extend lengths, head shapes): ``benchmark/long_prompt.py``
+reads it for per-chunk timings. Off by default; costs one small write per call."""
+
+
+def wanted(ctx) -> bool:
+    return ctx.cpu_engine
+
+
+def apply(ctx) -> None:
+    import importlib
+
+    from sglang_kda.cpu.mla_attention import extend_attention_batch
+
+    mod = importlib.import_module(UPSTREAM)
+    cls = mod.TorchNativeAttnBackend
+    orig = cls._run_sdpa_forward_extend
+    if getattr(orig, "_sglang_kda", False):
+        return
+    state = {"logged": False}
+    trace_path = os.environ.get(TRACE_ENV)
+
+    def _run_sdpa_forward_extend(
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_prefix_lens,
+        extend_seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
+        plain = (
+            causal
+            and encoder_lens is None
+            and not is_cross_attn
+            and (sliding_window_size is None or sliding_window_size <= -1)
+        )
+        if not plain:
+            return orig(
+                self,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                extend_prefix_lens,
+                extend_seq_lens,
+                encoder_lens,
+                scaling,
+                enable_gqa,
+                causal,
+                is_cross_attn,
+                sliding_window_size,
+            )
+        if not state["logged"]:
+            state["logged"] = True
+            logger.info(
+                "%s: q heads %d x %d, kv %s x %s (shared latent rows: %s)",
+                LOG_LINE,
+                query.shape[1],
+                query.shape[2],
+                tuple(k_cache.shape[1:]),
+                tuple(v_cache.shape[1:]),
+                v_cache.data_ptr() == k_cache.data_ptr(),
+            )
+        prefix = extend_prefix_lens.tolist()
+        extend = extend_seq_lens.tolist()
+        if trace_path:
+            t0, c0 = time.time(), time.process_time()
+        extend_attention_batch(
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices.tolist(),
+            seq_lens.tolist(),
+            prefix,
+            extend,
+            scaling,
+        )
+        if trace_path:
+            rec = {
+                "t": t0,
+                "wall": time.time() - t0,
+                "cpu": time.process_time() - c0,
+                "prefix": prefix,
+                "extend": extend,
+                "heads": query.shape[1],
+                "qk_dim": query.shape[2],
+                "v_dim": output.shape[2],
+            }
+            with open(trace_path, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        return output
+
+    _run_sdpa_forward_extend._sglang_kda = True
+    _run_sdpa_forward_extend.__wrapped__ = orig
+    cls._run_sdpa_forward_extend = _run_sdpa_forward_extend
