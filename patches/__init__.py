@@ -24,6 +24,7 @@ PATCH_MODULES = (
     "kda_backend",
     "fused_norm_gate",
     "mla_cpu",
+    "mla_extend_cpu",
     "kimi_linear_moe",
     "schedule_policy",
     "internal_state",
