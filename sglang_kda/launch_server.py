@@ -26,6 +26,8 @@ from sglang_kda.config import DEFAULT_MAX_N, KERNELS, POLICIES, ConfigError, KDA
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
+CPU_MAX_TOTAL_TOKENS = 524288
+"""Default KV pool cap on the CPU engine (tokens): a 64k-token prompt and then some."""
 
 
 def default_model_dir() -> Path:
@@ -118,6 +120,9 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
       float32 checkpoints to float16, which is slow on CPUs and lossy).
     * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
       the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots).
+    * ``--max-total-tokens 524288``: KV pool cap (8 x 64k tokens; 168 MB for the tiny model
+      instead of ~1.6 GB zero-filled at start); the fraction above still bounds bigger models.
+      A prompt the pool cannot hold is refused by SGLang with a clear error.
     """
     extra: list[str] = []
 
@@ -133,6 +138,7 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     default("--mamba-radix-cache-strategy", "no_buffer")
     default("--mem-fraction-static", "0.1")
     default("--max-mamba-cache-size", "256")
+    default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
     dtype = _checkpoint_dtype(model_path)
     default("--dtype", "bfloat16" if dtype in (None, "float16", "bfloat16") else "float32")
     return extra
