@@ -1,4 +1,4 @@
-"""Patch ``sglang.srt.managers.tokenizer_manager``: the server's door turns hostile requests away (400).
+"""Patch ``sglang.srt.managers.tokenizer_manager``: turn hostile requests away at the door (400).
 
 Upstream: ``TokenizerManager._validate_one_request`` (length checks before a request is sent to
     the scheduler; its ``ValueError`` becomes an HTTP 400), ``TokenizerManager.generate_request``
@@ -103,7 +103,11 @@ def apply(ctx) -> None:
                     f"input_ids contains token id {bad} outside the vocabulary [0, {vocab_size})."
                 )
         out = orig_validate(self, obj, input_ids)  # may truncate input_ids
-        if input_ids and hasattr(obj, "logprob_start_len") and getattr(obj, "return_logprob", False):
+        if (
+            input_ids
+            and hasattr(obj, "logprob_start_len")
+            and getattr(obj, "return_logprob", False)
+        ):
             validation.check_logprob_start(obj.logprob_start_len, len(input_ids))
         return out
 
@@ -160,7 +164,7 @@ def install_http_hooks(tm) -> None:
     def generate_contract_error(body):
         if isinstance(body, dict):
             try:
-                validation.check_generate(body, current_limits(), validation.prompt_length(body))
+                validation.check_generate(body, current_limits(), _prompt_length(tm, body))
             except validation.RequestError as e:
                 return str(e)
         return orig_contract(body)
@@ -221,6 +225,23 @@ def install_http_hooks(tm) -> None:
 
     base.create_error_response = create_error_response
     _http_hooks_installed = True
+
+
+def _prompt_length(tm, body: dict):
+    """The prompt length of a single ``/generate`` request, when ``logprob_start_len`` needs it:
+    from ``input_ids``, or by tokenizing a text prompt (only then), so that a streaming request
+    with an out-of-range start gets its 400 before the stream opens."""
+    from sglang_kda import validation
+
+    n = validation.prompt_length(body)
+    text, start = body.get("text"), body.get("logprob_start_len")
+    if n is None and isinstance(text, str) and isinstance(start, int) and start > 0:
+        tokenizer = getattr(tm, "tokenizer", None)
+        try:
+            n = len(tokenizer.encode(text)) if tokenizer is not None else None
+        except Exception:  # the tokenizer manager's own check still runs after tokenization
+            n = None
+    return n
 
 
 class _Attrs:

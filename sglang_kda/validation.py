@@ -1,4 +1,4 @@
-"""Request validation at the server's door: hostile or malformed requests get a 400 naming the field.
+"""Request validation at the door: hostile or malformed requests get a 400 naming the field.
 
 Plain functions over plain values (JSON-decoded dicts, or attribute bags read off SGLang's request
 objects); nothing here knows about SGLang or monkey-patching. ``patches/tokenizer_manager.py``
@@ -201,7 +201,8 @@ def check_sampling_params(
     if top_k is not None and top_k != -1:
         if not _is_int(top_k) or not 1 <= top_k <= TOP_K_ALL:
             raise RequestError(
-                name("top_k"), f"must be -1 (all) or an integer in [1, {TOP_K_ALL}], got {_show(top_k)}"
+                name("top_k"),
+                f"must be -1 (all) or an integer in [1, {TOP_K_ALL}], got {_show(top_k)}",
             )
     opt_number(get("min_p"), name("min_p"), 0.0, 1.0)
     opt_number(get("frequency_penalty"), name("frequency_penalty"), -2.0, 2.0)
@@ -214,7 +215,12 @@ def check_sampling_params(
             check_stop_strings(get(key), name(key))
     if get("stop_token_ids") is not None:
         check_token_ids(get("stop_token_ids"), name("stop_token_ids"), limits.vocab_size)
-    for key in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+    for key in (
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+    ):
         opt_bool(get(key), name(key))
     for key in ("json_schema", "regex", "ebnf", "structural_tag"):
         v = get(key)
@@ -239,7 +245,9 @@ def check_logit_bias(v: Any, field: str, vocab_size: int) -> None:
         except (TypeError, ValueError):
             tid = -1
         if not 0 <= tid < vocab_size:
-            raise RequestError(field, f"keys must be token ids in [0, {vocab_size}), got {_show(key)}")
+            raise RequestError(
+                field, f"keys must be token ids in [0, {vocab_size}), got {_show(key)}"
+            )
         check_number(bias, f"{field}[{key!s}]")
 
 
@@ -261,9 +269,7 @@ def prompt_length(body: Mapping[str, Any]) -> int | None:
     return None
 
 
-def check_generate(
-    body: Mapping[str, Any], limits: Limits, prompt_len: int | None = None
-) -> None:
+def check_generate(body: Mapping[str, Any], limits: Limits, prompt_len: int | None = None) -> None:
     """Check a native ``/generate`` request (a JSON object, or ``GenerateReqInput``'s fields).
 
     ``prompt_len``: the prompt's token count when known (a single request), for
@@ -309,7 +315,9 @@ def check_generate(
         opt_bool(get(key), key)
 
 
-def check_logprob_start(logprob_start_len: Any, prompt_len: int, field: str = "logprob_start_len") -> None:
+def check_logprob_start(
+    logprob_start_len: Any, prompt_len: int, field: str = "logprob_start_len"
+) -> None:
     """``logprob_start_len`` of one request against its tokenized prompt (``-1``: none)."""
     if logprob_start_len is None:
         return
@@ -363,7 +371,9 @@ def check_completion(req: Mapping[str, Any], limits: Limits) -> None:
 
 def check_chat(req: Mapping[str, Any], limits: Limits) -> None:
     """Check an OpenAI ``/v1/chat/completions`` request (OpenAI field names in messages)."""
-    max_key = "max_completion_tokens" if req.get("max_completion_tokens") is not None else "max_tokens"
+    max_key = (
+        "max_completion_tokens" if req.get("max_completion_tokens") is not None else "max_tokens"
+    )
     names = dict(_OPENAI_SAMPLING, max_new_tokens=max_key)
     check_sampling_params(_openai_sampling(req, max_key), limits, names=names)
     if max_key == "max_completion_tokens":
@@ -375,7 +385,9 @@ def check_chat(req: Mapping[str, Any], limits: Limits) -> None:
 # ---- error messages --------------------------------------------------------------------------
 
 # A traceback line (``File "/x/y.py", line 3, in f``) and what Python prints under it.
-_TRACE_LINE = re.compile(r'[ \t]*File "[^"\n]*", line \d+(?:, in [^\n]*)?\n?(?:[ \t]{4,}[^\n]*\n?)?')
+_TRACE_LINE = re.compile(
+    r'[ \t]*File "[^"\n]*", line \d+(?:, in [^\n]*)?\n?(?:[ \t]{4,}[^\n]*\n?)?'
+)
 # An absolute path to a source file or into an installed package / virtual environment.
 _ABS_PATH = re.compile(
     r"(?:[A-Za-z]:)?(?:[\\/][\w.+@~-]+)+[\\/][\w.+@~-]+\.(?:py[cdiow]?|so|pyx)\b"
@@ -399,6 +411,10 @@ def clean_validation_errors(errors: list[Any]) -> list[dict[str, Any]]:
     for e in errors:
         if isinstance(e, Mapping):
             out.append(
-                {k: (scrub_paths(v) if k == "msg" else v) for k, v in e.items() if k in ("type", "loc", "msg")}
+                {
+                    k: (scrub_paths(v) if k == "msg" else v)
+                    for k, v in e.items()
+                    if k in ("type", "loc", "msg")
+                }
             )
     return out

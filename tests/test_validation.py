@@ -1,4 +1,4 @@
-"""sglang_kda.validation: hostile request fields are named and rejected, sane ones pass (no server)."""
+"""sglang_kda.validation: hostile request fields are named and rejected; sane ones pass."""
 
 from __future__ import annotations
 
@@ -59,16 +59,34 @@ def _rejects(check, body, field, *args):
         ({"text": "a", "stream": 1}, "stream"),
         ({"text": "a", "sampling_params": "greedy"}, "sampling_params"),
         ({"text": "a", "sampling_params": []}, "sampling_params"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": 10**18}}, "sampling_params.max_new_tokens"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": True}}, "sampling_params.max_new_tokens"),
-        ({"text": "a", "sampling_params": {"max_new_tokens": 4.0}}, "sampling_params.max_new_tokens"),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": 10**18}},
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": True}},
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            {"text": "a", "sampling_params": {"max_new_tokens": 4.0}},
+            "sampling_params.max_new_tokens",
+        ),
         (
             {"text": "a", "sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}},
             "sampling_params.min_new_tokens",
         ),
-        ({"text": "a", "sampling_params": {"temperature": math.nan}}, "sampling_params.temperature"),
-        ({"text": "a", "sampling_params": {"temperature": math.inf}}, "sampling_params.temperature"),
+        (
+            {"text": "a", "sampling_params": {"temperature": math.nan}},
+            "sampling_params.temperature",
+        ),
+        (
+            {"text": "a", "sampling_params": {"temperature": math.inf}},
+            "sampling_params.temperature",
+        ),
         ({"text": "a", "sampling_params": {"temperature": -0.5}}, "sampling_params.temperature"),
         ({"text": "a", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
         ({"text": "a", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
@@ -88,8 +106,14 @@ def _rejects(check, body, field, *args):
             {"text": "a", "sampling_params": {"repetition_penalty": 0}},
             "sampling_params.repetition_penalty",
         ),
-        ({"text": "a", "sampling_params": {"stream_interval": 0}}, "sampling_params.stream_interval"),
-        ({"text": "a", "sampling_params": {"sampling_seed": 2**64}}, "sampling_params.sampling_seed"),
+        (
+            {"text": "a", "sampling_params": {"stream_interval": 0}},
+            "sampling_params.stream_interval",
+        ),
+        (
+            {"text": "a", "sampling_params": {"sampling_seed": 2**64}},
+            "sampling_params.sampling_seed",
+        ),
         ({"text": "a", "sampling_params": {"ignore_eos": "no"}}, "sampling_params.ignore_eos"),
         ({"text": "a", "sampling_params": {"regex": 5}}, "sampling_params.regex"),
         ({"text": "a", "sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
