@@ -38,6 +38,10 @@ TRACE_ENV = "SGLANG_KDA_EXTEND_TRACE"
 wall and CPU seconds, prefix and extend lengths, head shapes): ``benchmark/long_prompt.py``
 reads it for per-chunk timings. Off by default; costs one small write per call."""
 
+KEY_BLOCK_ENV = "SGLANG_KDA_EXTEND_KEY_BLOCK"
+"""Rows gathered per key block (default :data:`sglang_kda.cpu.mla_attention.DEFAULT_KEY_BLOCK`);
+the server tests set it small so that short prompts cross several blocks."""
+
 
 def wanted(ctx) -> bool:
     return ctx.cpu_engine
@@ -46,7 +50,7 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cpu.mla_attention import extend_attention_batch
+    from sglang_kda.cpu.mla_attention import DEFAULT_KEY_BLOCK, extend_attention_batch
 
     mod = importlib.import_module(UPSTREAM)
     cls = mod.TorchNativeAttnBackend
@@ -55,6 +59,7 @@ def apply(ctx) -> None:
         return
     state = {"logged": False}
     trace_path = os.environ.get(TRACE_ENV)
+    key_block = int(os.environ.get(KEY_BLOCK_ENV) or DEFAULT_KEY_BLOCK)
 
     def _run_sdpa_forward_extend(
         self,
@@ -102,13 +107,14 @@ def apply(ctx) -> None:
         if not state["logged"]:
             state["logged"] = True
             logger.info(
-                "%s: q heads %d x %d, kv %s x %s (shared latent rows: %s)",
+                "%s: q heads %d x %d, kv %s x %s (shared latent rows: %s), key block %d",
                 LOG_LINE,
                 query.shape[1],
                 query.shape[2],
                 tuple(k_cache.shape[1:]),
                 tuple(v_cache.shape[1:]),
                 v_cache.data_ptr() == k_cache.data_ptr(),
+                key_block,
             )
         prefix = extend_prefix_lens.tolist()
         extend = extend_seq_lens.tolist()
@@ -125,6 +131,7 @@ def apply(ctx) -> None:
             prefix,
             extend,
             scaling,
+            key_block=key_block,
         )
         if trace_path:
             rec = {

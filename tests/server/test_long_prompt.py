@@ -1,0 +1,81 @@
+"""Long prompts end to end on CPU: greedy tokens and log-probs against the reference forward.
+
+The server runs with the launcher's defaults plus a small chunk and a small key block for the
+blockwise extend attention (``SGLANG_KDA_EXTEND_KEY_BLOCK``), so a 2.5k-token prompt crosses many
+chunks and many key blocks, with prefixes that are no multiple of either; a second prompt shares
+1,800 tokens with the first (a radix-cache hit, then more chunks over the cached prefix).
+
+Default: one server, chunk 64, key block 256. ``SGLANG_KDA_LONG_TESTS=1`` adds chunk 512 with key
+block 100 (chunks longer than a key block: several causal blocks per chunk).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from harness import NEW_TOKENS, check_against_reference, start_server
+
+from sglang_kda.patches.mla_extend_cpu import KEY_BLOCK_ENV, LOG_LINE
+
+pytestmark = pytest.mark.server
+
+LONG = os.environ.get("SGLANG_KDA_LONG_TESTS") == "1"
+SETTINGS = [(64, 256)] + ([(512, 100)] if LONG else [])
+PROMPT_LEN, SHARED, TAIL = 2500, 1800, 333
+
+
+@pytest.fixture(scope="module")
+def long_prompts(tiny_model_dir) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from sglang_kda.tiny_model import corpus_text
+
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    ids = tok.encode(corpus_text()).ids
+    first = ids[1000 : 1000 + PROMPT_LEN]
+    start = 1000 + PROMPT_LEN + 50
+    second = first[:SHARED] + ids[start : start + TAIL]
+    return [first, second]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_model_dir, long_prompts):
+    from reference_forward import ReferenceKimiLinear
+
+    ref = ReferenceKimiLinear.load(tiny_model_dir)
+    out = []
+    for p in long_prompts:
+        tokens, logits = ref.greedy_generate(p, NEW_TOKENS, return_logits=True)
+        lp = logits.log_softmax(-1)
+        out.append((list(tokens), [float(lp[i, t]) for i, t in enumerate(tokens)]))
+    return out
+
+
+@pytest.fixture(scope="module", params=SETTINGS, ids=lambda s: f"chunk{s[0]}-kb{s[1]}")
+def long_server(request, tmp_path_factory, tiny_model_dir):
+    chunk, key_block = request.param
+    saved = os.environ.get(KEY_BLOCK_ENV)
+    os.environ[KEY_BLOCK_ENV] = str(key_block)
+    try:
+        server = start_server(
+            tmp_path_factory,
+            tiny_model_dir,
+            f"long-{chunk}",
+            ["--chunked-prefill-size", str(chunk)],
+        )
+    finally:
+        if saved is None:
+            os.environ.pop(KEY_BLOCK_ENV, None)
+        else:
+            os.environ[KEY_BLOCK_ENV] = saved
+    yield server
+    server.stop()
+
+
+def test_long_prompts_match_reference(long_server, long_prompts, long_reference):
+    cached = check_against_reference(long_server, long_prompts, long_reference, [0, 1])
+    assert cached[0] == 0
+    assert cached[1] >= SHARED - 64  # the shared prefix came from the cache
+    log = long_server.log.read_text(errors="replace")
+    assert LOG_LINE in log, "the blockwise extend attention did not run"
