@@ -15,6 +15,8 @@ import pytest
 import requests
 from harness import check_against_reference, generate, start_server
 
+from sglang_kda.tiny_model import CONTEXT_LENGTH
+
 pytestmark = pytest.mark.server
 
 
@@ -95,7 +97,7 @@ def test_prometheus_metrics(server_kda):
     [
         pytest.param({"text": ""}, id="empty-prompt"),
         pytest.param({"input_ids": []}, id="empty-input-ids"),
-        pytest.param({"input_ids": [5] * 5000}, id="prompt-longer-than-context"),
+        pytest.param({"input_ids": [5] * (CONTEXT_LENGTH + 1)}, id="prompt-longer-than-context"),
         pytest.param({"input_ids": [99999]}, id="token-id-out-of-vocab"),
         pytest.param({"text": "hi", "sampling_params": {"temperature": -1}}, id="temperature<0"),
         pytest.param({"text": "hi", "sampling_params": {"top_p": 2.0}}, id="top_p>1"),
