@@ -1,0 +1,617 @@
+"""Prefix/state cache benchmark: stock SGLang vs sglang_kda, both servers in one run.
+
+For each policy (``--kda-policy stock``, then ``--kda-policy kda``) the script starts
+``python -m sglang_kda.launch_server`` on the same model with ``--enable-metrics`` and
+``--chunked-prefill-size 256`` (so long prompts are chunked), runs five cache-sensitive workloads
+against it, and stops it. Servers run one after the other (two servers on a 2-core machine would
+distort each other). Between workloads the cache is flushed (``/flush_cache``, retried until 200).
+
+Workloads (all greedy, short outputs, a fixed seed):
+
+- ``gsp``: SGLang's generated-shared-prefix dataset through SGLang's serving benchmark
+  (``python -m sglang_kda.bench_serving --dataset-name generated-shared-prefix --gsp-*``,
+  token-id prompts, ``--cache-report``).
+- ``multiturn``: conversations run side by side; each turn's prompt is the previous prompt + the
+  previous answer + new user text.
+- ``burst``: groups of requests sharing a ~900-token prefix with distinct short tails, each group
+  sent at once (the twins case).
+- ``diverge``: a ~700-token base prompt, then requests sharing its first N tokens (N random,
+  never a multiple of 64) followed by new tails, one after the other.
+- ``repeat``: the same ~826-token prompt twice, one after the other.
+
+Workloads other than ``gsp`` use this script's own asyncio client against ``/generate``
+(``input_ids``, ``stream: true``) and record per request the TTFT (first streamed chunk), and
+``meta_info.prompt_tokens`` / ``meta_info.cached_tokens``. Prefill tokens computed per workload
+are ``sum(prompt_tokens - cached_tokens)`` (client view) and, from ``/metrics`` deltas,
+``sglang:prompt_tokens_total - sglang:cached_tokens_total`` (server view). Every metric whose
+name starts with ``sglang_kda_`` is recorded as an extra column when the server exposes it
+(counters as the delta over the workload, gauges as the value at its end).
+
+Outputs in ``benchmark/results/cache/`` (``--out-dir``): ``<workload>_<policy>.csv`` per
+workload and policy, ``summary.csv`` (all rows), ``ratios.md`` (the kda/stock table, also
+printed) and ``<metric>.png`` bar plots. ``--quick`` shrinks every workload (one run of both
+servers takes ~5 min on a loaded 2-core CPU machine; the full run ~10 min).
+
+Example::
+
+    .venv/bin/python benchmark/cache_side_by_side.py --quick
+    .venv/bin/python benchmark/cache_side_by_side.py --workloads burst,repeat -- --kda-some-flag
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = 64
+WORKLOADS = ("gsp", "multiturn", "burst", "diverge", "repeat")
+BASE_COLUMNS = (
+    "workload",
+    "policy",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "prefill_tokens",
+    "prefill_tokens_metrics",
+    "cached_tokens_metrics",
+    "output_tokens",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "ttft_mean_ms",
+    "duration_s",
+    "req_per_s",
+    "input_tok_per_s",
+    "output_tok_per_s",
+)
+# Columns of the kda/stock table and of the plots.
+RATIO_COLUMNS = (
+    "prefill_tokens",
+    "prefill_tokens_metrics",
+    "cached_tokens",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "output_tok_per_s",
+)
+
+
+# --- Server ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m sglang_kda.launch_server`` in its own process group."""
+
+    def __init__(self, model: str, policy: str, extra: list[str], log: Path) -> None:
+        self.policy = policy
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "sglang_kda.launch_server", "--model-path", model,
+            "--port", str(self.port), "--kda-policy", policy, *extra,
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env.pop("SGLANG_USE_CPU_ENGINE", None)  # the launcher decides
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float = 600) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.policy} server exited; see {self.log}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).ok:
+                    print(f"[{self.policy}] ready in {time.monotonic() - t0:.0f}s", flush=True)
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"{self.policy} server not ready; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._fh.close()
+
+    def flush_cache(self, timeout_s: float = 120) -> None:
+        """``/flush_cache`` refuses while requests run; retried until it answers 200."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                r = requests.post(self.url + "/flush_cache", timeout=60)
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"[{self.policy}] /flush_cache refused for {timeout_s}s")
+            time.sleep(0.5)
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            r = requests.get(self.url + "/metrics", timeout=30)
+        except requests.RequestException:
+            return {}
+        return parse_metrics(r.text) if r.ok else {}
+
+    def kda_report(self) -> dict:
+        try:
+            info = requests.get(self.url + "/server_info", timeout=30).json()
+            return info["internal_states"][0].get("sglang_kda", {})
+        except (requests.RequestException, KeyError, IndexError, ValueError):
+            return {}
+
+
+# --- Metrics ---------------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over label sets}; histogram buckets and
+    ``_created`` timestamps are dropped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0].strip()
+        if not name or name.endswith("_bucket") or name.endswith("_created"):
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def is_counter(name: str) -> bool:
+    return name.endswith(("_total", "_sum", "_count"))
+
+
+def metric_columns(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The server-side view of one workload: prefill/cached token deltas and every
+    ``sglang_kda_*`` metric (counter delta, gauge end value)."""
+    cols: dict[str, float] = {}
+
+    def delta(name: str) -> float | None:
+        if name not in after:
+            return None
+        return after[name] - before.get(name, 0.0)
+
+    prompt, cached = delta("sglang:prompt_tokens_total"), delta("sglang:cached_tokens_total")
+    if prompt is not None:
+        cols["prompt_tokens_metrics"] = prompt
+        cols["cached_tokens_metrics"] = cached if cached is not None else 0.0
+        cols["prefill_tokens_metrics"] = prompt - cols["cached_tokens_metrics"]
+    for name in sorted(after):
+        if name.startswith("sglang_kda_"):
+            cols[name] = delta(name) if is_counter(name) else after[name]
+    return cols
+
+
+# --- Client ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    latency_s: float
+    output_ids: list[int] = field(default_factory=list)
+
+
+async def generate(session, url: str, input_ids: list[int], max_new_tokens: int) -> Result:
+    payload = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    last: dict = {}
+    collected: list[int] = []
+    async with session.post(url + "/generate", json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"/generate answered {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = chunk
+            collected.extend(chunk.get("output_ids", []))
+    latency = time.perf_counter() - t0
+    meta = last.get("meta_info", {})
+    n_out = meta.get("completion_tokens", 0)
+    ids = last.get("output_ids", [])
+    if len(ids) != n_out:  # incremental streaming: chunks carry deltas
+        ids = collected[-n_out:] if n_out else []
+    return Result(
+        prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        ttft_s=ttft if ttft is not None else latency,
+        latency_s=latency,
+        output_ids=list(ids),
+    )
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(results: list[Result], duration: float) -> dict[str, float]:
+    ttfts = [r.ttft_s * 1000 for r in results]
+    prompt = sum(r.prompt_tokens for r in results)
+    cached = sum(r.cached_tokens for r in results)
+    out_tokens = sum(len(r.output_ids) for r in results)
+    return {
+        "requests": len(results),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "output_tokens": out_tokens,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else float("nan"),
+        "duration_s": duration,
+        "req_per_s": len(results) / duration,
+        "input_tok_per_s": prompt / duration,
+        "output_tok_per_s": out_tokens / duration,
+    }
+
+
+# --- Workloads -------------------------------------------------------------------------------
+
+
+class Tokens:
+    """A deterministic stream of natural-looking token ids (the tiny model's own corpus), so
+    prompts are in-vocabulary for any model using this tokenizer."""
+
+    def __init__(self, model: str, seed: int) -> None:
+        from tokenizers import Tokenizer
+
+        from sglang_kda.tiny_model import corpus_text
+
+        tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+        self.ids = tok.encode(corpus_text()).ids
+        self.rng = random.Random(seed)
+
+    def take(self, n: int) -> list[int]:
+        start = self.rng.randrange(0, len(self.ids) - n)
+        return list(self.ids[start : start + n])
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return dict(
+            new_tokens=4,
+            mt_convs=2, mt_turns=3, mt_system=192, mt_user=(40, 80),
+            burst_groups=1, burst_size=4, burst_prefix=900, burst_tail=(16, 40),
+            div_bases=1, div_requests=4, div_base=700, div_tail=(40, 80),
+            rep_prompts=1, rep_len=826,
+            gsp=dict(groups=1, per_group=4, system=512, question=48, output=4, concurrency=4),
+        )  # fmt: skip
+    return dict(
+        new_tokens=8,
+        mt_convs=3, mt_turns=4, mt_system=256, mt_user=(40, 100),
+        burst_groups=2, burst_size=4, burst_prefix=900, burst_tail=(16, 40),
+        div_bases=2, div_requests=6, div_base=700, div_tail=(40, 100),
+        rep_prompts=2, rep_len=826,
+        gsp=dict(groups=2, per_group=4, system=640, question=64, output=8, concurrency=4),
+    )  # fmt: skip
+
+
+def off_grid(rng: random.Random, lo: int, hi: int) -> int:
+    while True:
+        n = rng.randint(lo, hi)
+        if n % GRID:
+            return n
+
+
+async def run_client_workload(name: str, url: str, cfg: dict, seed: int, model: str):
+    import aiohttp
+
+    toks = Tokens(model, seed)
+    rng = random.Random(seed + 1)
+    new = cfg["new_tokens"]
+    results: list[Result] = []
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        if name == "multiturn":
+
+            async def conversation() -> list[Result]:
+                prompt = toks.take(cfg["mt_system"]) + toks.take(rng.randint(*cfg["mt_user"]))
+                out = []
+                for _ in range(cfg["mt_turns"]):
+                    r = await generate(session, url, prompt, new)
+                    out.append(r)
+                    prompt = prompt + r.output_ids + toks.take(rng.randint(*cfg["mt_user"]))
+                return out
+
+            convs = await asyncio.gather(*(conversation() for _ in range(cfg["mt_convs"])))
+            results = [r for c in convs for r in c]
+        elif name == "burst":
+            for _ in range(cfg["burst_groups"]):
+                prefix = toks.take(cfg["burst_prefix"])
+                prompts = [
+                    prefix + toks.take(rng.randint(*cfg["burst_tail"]))
+                    for _ in range(cfg["burst_size"])
+                ]
+                results += await asyncio.gather(*(generate(session, url, p, new) for p in prompts))
+        elif name == "diverge":
+            for _ in range(cfg["div_bases"]):
+                base = toks.take(cfg["div_base"])
+                results.append(await generate(session, url, base, new))
+                for _ in range(cfg["div_requests"]):
+                    n = off_grid(rng, 300, min(650, len(base) - 1))
+                    prompt = base[:n] + toks.take(rng.randint(*cfg["div_tail"]))
+                    results.append(await generate(session, url, prompt, new))
+        elif name == "repeat":
+            for _ in range(cfg["rep_prompts"]):
+                prompt = toks.take(cfg["rep_len"])
+                for _ in range(2):
+                    results.append(await generate(session, url, prompt, new))
+        else:
+            raise ValueError(name)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration), results
+
+
+def run_gsp(url: str, cfg: dict, seed: int, model: str, tmp: Path, label: str) -> dict:
+    g = cfg["gsp"]
+    out = tmp / f"gsp-{label}.jsonl"
+    cmd = [
+        sys.executable, "-m", "sglang_kda.bench_serving", "--backend", "sglang",
+        "--base-url", url, "--model", model, "--tokenizer", model,
+        "--dataset-name", "generated-shared-prefix",
+        "--gsp-num-groups", str(g["groups"]), "--gsp-prompts-per-group", str(g["per_group"]),
+        "--gsp-system-prompt-len", str(g["system"]), "--gsp-question-len", str(g["question"]),
+        "--gsp-output-len", str(g["output"]), "--tokenize-prompt",
+        "--max-concurrency", str(g["concurrency"]), "--seed", str(seed),
+        "--warmup-requests", "0", "--cache-report", "--output-file", str(out),
+    ]  # fmt: skip
+    # SGLang caches the generated dataset under ~/.cache/sglang/benchmark keyed by the tokenizer's
+    # class name only; a private HOME keeps another tokenizer's cached ids out.
+    env = dict(os.environ, HOME=str(tmp / "home"))
+    log = tmp / f"gsp-{label}.log"
+    with open(log, "wb") as fh:
+        subprocess.run(cmd, check=True, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    r = [json.loads(x) for x in out.read_text().splitlines() if x.strip()][-1]
+    cache = r.get("cache_report") or {}
+    prompt = cache.get("total_prompt_tokens", r["total_input_tokens"])
+    cached = cache.get("total_cached_tokens", 0)
+    return {
+        "requests": r["completed"],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "output_tokens": r["total_output_tokens"],
+        "ttft_p50_ms": r["median_ttft_ms"],
+        "ttft_p99_ms": r["p99_ttft_ms"],
+        "ttft_mean_ms": r["mean_ttft_ms"],
+        "duration_s": r["duration"],
+        "req_per_s": r["request_throughput"],
+        "input_tok_per_s": r["input_throughput"],
+        "output_tok_per_s": r["output_throughput"],
+    }
+
+
+def warm_up(url: str, model: str) -> None:
+    """One short request so the first measured request does not pay one-time costs."""
+    ids = Tokens(model, 12345).take(100)
+    payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
+
+
+def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) -> list[dict]:
+    extra = ["--enable-metrics", "--chunked-prefill-size", str(args.chunked_prefill_size)]
+    server = Server(model, policy, [*extra, *args.server_args], tmp / f"{label}.log")
+    rows = []
+    try:
+        warm_up(server.url, model)
+        for workload in args.workloads:
+            server.flush_cache()
+            before = server.metrics()
+            t0 = time.monotonic()
+            if workload == "gsp":
+                row = run_gsp(server.url, cfg, args.seed, model, tmp, label)
+            else:
+                row, _ = asyncio.run(
+                    run_client_workload(workload, server.url, cfg, args.seed, model)
+                )
+            time.sleep(1.0)  # let the finished requests reach the metrics collector
+            after = server.metrics()
+            row = {"workload": workload, "policy": label, **row, **metric_columns(before, after)}
+            rows.append(row)
+            print(
+                f"[{label}] {workload}: prefill {row['prefill_tokens']} "
+                f"(metrics {row.get('prefill_tokens_metrics', 'n/a')}), "
+                f"cached {row['cached_tokens']}, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
+                f"({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
+        report = server.kda_report()
+        if report:
+            (tmp / f"{label}-server_info.json").write_text(json.dumps(report, indent=1))
+    finally:
+        server.stop()
+    return rows
+
+
+# --- Output ----------------------------------------------------------------------------------
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_csvs(rows: list[dict], out_dir: Path) -> list[str]:
+    extra = sorted({k for r in rows for k in r} - set(BASE_COLUMNS) - {"prompt_tokens_metrics"})
+    columns = [*BASE_COLUMNS, "prompt_tokens_metrics", *extra]
+    for path, subset in [(out_dir / "summary.csv", rows)] + [
+        (out_dir / f"{r['workload']}_{r['policy']}.csv", [r]) for r in rows
+    ]:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns, restval="")
+            w.writeheader()
+            for r in subset:
+                w.writerow({k: fmt(v) for k, v in r.items()})
+    return columns
+
+
+def ratio_table(rows: list[dict], base: str, other: str) -> str:
+    by = {(r["workload"], r["policy"]): r for r in rows}
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    head = ["workload"]
+    for c in RATIO_COLUMNS:
+        head += [f"{c} {base}", f"{c} {other}", f"{c} {other}/{base}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in workloads:
+        a, b = by.get((w, base)), by.get((w, other))
+        if a is None or b is None:
+            continue
+        cells = [w]
+        for c in RATIO_COLUMNS:
+            va, vb = a.get(c), b.get(c)
+            ratio = vb / va if va not in (None, 0) and vb is not None else float("nan")
+            cells += [fmt(va), fmt(vb), f"{ratio:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {(r["workload"], r["policy"]): r for r in rows}
+    paths = []
+    width = 0.8 / max(1, len(policies))
+    for metric in RATIO_COLUMNS:
+        if not any(metric in r for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for i, p in enumerate(policies):
+            vals = [float(by.get((w, p), {}).get(metric, float("nan"))) for w in workloads]
+            xs = [j + (i - (len(policies) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, vals, width, label=p)
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric} per workload")
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{metric}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model dir (default: the tiny model)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads (~5 min in all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunked-prefill-size", type=int, default=256)
+    parser.add_argument("--policies", default="stock,kda", help="comma-separated, in this order")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--out-dir", default=str(REPO / "benchmark/results/cache"))
+    parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
+    args = parser.parse_args()
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
+
+    import sglang_kda  # noqa: F401  (import guards, before anything imports sglang)
+
+    model = args.model
+    if model is None:
+        from sglang_kda.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(REPO / "models" / "tiny-kimi-linear"))
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kda-cache-bench-"))
+    cfg = sizes(args.quick)
+    policies = args.policies.split(",")
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    for i, policy in enumerate(policies):
+        label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
+        rows += run_policy(policy, label, model, args, cfg, tmp)
+
+    write_csvs(rows, out_dir)
+    labels = list(dict.fromkeys(r["policy"] for r in rows))
+    table = ""
+    if len(labels) >= 2:
+        table = ratio_table(rows, labels[0], labels[-1])
+    cmd = " ".join(["benchmark/cache_side_by_side.py", *sys.argv[1:]])
+    header = (
+        f"command: `{cmd}`; chunked prefill {args.chunked_prefill_size}, seed {args.seed}, "
+        f"{'quick' if args.quick else 'full'} sizes, {os.cpu_count()} CPUs, "
+        f"{time.monotonic() - t0:.0f}s in all"
+    )
+    (out_dir / "ratios.md").write_text(header + "\n\n" + table + "\n")
+    plots = plot(rows, out_dir)
+    print(f"\n{header}\n\n{table}\n")
+    print(f"wrote {out_dir}/summary.csv, per-workload CSVs, ratios.md, {len(plots)} plots")
+    print(f"(server logs and raw bench output in {tmp})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
