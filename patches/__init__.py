@@ -27,6 +27,8 @@ PATCH_MODULES = (
     "mla_extend_cpu",
     "kimi_linear_moe",
     "schedule_policy",
+    "mamba_component",
+    "batch_result_processor",
     "internal_state",
     "tokenizer_manager",
 )

@@ -11,16 +11,91 @@ How: rebinds the three module globals. ``TritonKDAKernel`` becomes :class:`Sglan
     (CUDA, ``--kda-kernel triton``); both expose ``kda_extend_pool`` / ``kda_decode_pool`` over
     SGLang's state pool. On CPU the two conv globals become the PyTorch ops in
     ``sglang_kda.kernels.conv_torch``.
+    With ``--kda-policy kda`` it also wraps ``KDAAttnBackend.forward_extend`` to capture grid
+    checkpoints (:mod:`sglang_kda.cache.capture`): before each KDA layer's extend it reads the
+    short-conv windows at the grid positions inside every slice (from the raw conv input and the
+    conv state the slice starts from, before the conv overwrites it), and the adapter asks the
+    kernel for the states at those positions (``checkpoint_every``, ``prefix_lens``). The
+    scheduler takes the capture after the forward (``patches/batch_result_processor.py``).
 Remove when: upstream ships a CPU KDA path and a chunk kernel that returns fp32 grid states.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 UPSTREAM = "sglang.srt.layers.attention.linear.kda_backend"
+
+# Grid checkpoint capture (``--kda-policy kda`` with our kernels): the checkpoint spacing (0 =
+# off), the capture of the forward in progress, and the KDA layer call in progress.
+CAPTURE_EVERY = 0
+_current: Optional[tuple] = None  # (forward_batch, ForwardCapture)
+_layer_call: Optional[tuple] = None  # (ForwardCapture, layer_id, conv windows [M, W, D])
+
+
+def take_capture():
+    """The checkpoints captured by the last extend forward (None if none); clears them."""
+    global _current
+    cur, _current = _current, None
+    return None if cur is None else cur[1]
+
+
+def _capture_for(forward_batch, every: int):
+    global _current
+    from sglang_kda.cache.capture import ForwardCapture
+
+    if _current is None or _current[0] is not forward_batch:
+        cap = ForwardCapture.open(
+            forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu, every
+        )
+        _current = (forward_batch, cap)
+    return _current[1]
+
+
+def _wrap_forward_extend(orig):
+    from sglang_kda.cache.capture import conv_windows
+
+    @functools.wraps(orig)
+    def forward_extend(self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+        global _layer_call
+        every = CAPTURE_EVERY
+        if (
+            not every
+            or not isinstance(mixed_qkv, torch.Tensor)
+            or forward_batch.forward_mode.is_target_verify()
+            or getattr(self, "prefill_graph_metadata", None) is not None
+            or forward_batch.extend_prefix_lens_cpu is None
+            or forward_batch.extend_seq_lens_cpu is None
+        ):
+            return orig(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+        cap = _capture_for(forward_batch, every)
+        if not cap.rows:
+            return orig(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+        conv_pool = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id).conv[0]
+        width = layer.conv_weights.shape[-1] - 1
+        idx = self.forward_metadata.mamba_cache_indices.tolist()
+        starts = self.forward_metadata.query_start_loc.tolist()
+        windows = []
+        for i, (p, n) in enumerate(zip(cap.prefix_lens, cap.extend_lens, strict=True)):
+            pos = cap.positions_of(i)
+            if not pos:
+                continue
+            rows = mixed_qkv[starts[i] : starts[i] + n]
+            if p > 0 and idx[i] >= 0:
+                init = conv_pool[idx[i], :width].clone()
+            else:
+                init = rows.new_zeros(width, rows.shape[-1])
+            windows.append(conv_windows(init, rows, p, pos))
+        _layer_call = (cap, layer.layer_id, torch.cat(windows).float())
+        try:
+            return orig(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+        finally:
+            _layer_call = None
+
+    return forward_extend
 
 
 def wanted(ctx) -> bool:
@@ -77,7 +152,20 @@ def make_kernel_class(base: type, kernel: str) -> type:
                     "sglang_kda's KDA kernel does not fill SGLang's extra_buffer track "
                     "snapshot; run with --mamba-radix-cache-strategy no_buffer"
                 )
-            return ops.kda_extend_pool(
+            call = _layer_call
+            if call is None:
+                return ops.kda_extend_pool(
+                    q, k, v, g, beta,
+                    A_log=A_log,
+                    dt_bias=dt_bias,
+                    ssm_states=ssm_states,
+                    cache_indices=cache_indices,
+                    cu_seqlens=query_start_loc,
+                    use_qk_l2norm=True,
+                    lower_bound=lower_bound,
+                )  # fmt: skip
+            cap, layer_id, windows = call
+            o, ck = ops.kda_extend_pool(
                 q, k, v, g, beta,
                 A_log=A_log,
                 dt_bias=dt_bias,
@@ -86,7 +174,13 @@ def make_kernel_class(base: type, kernel: str) -> type:
                 cu_seqlens=query_start_loc,
                 use_qk_l2norm=True,
                 lower_bound=lower_bound,
+                checkpoint_every=cap.every,
+                prefix_lens=cap.prefix_lens,
             )  # fmt: skip
+            rows = list(zip(ck.seq_idx.tolist(), ck.positions.tolist(), strict=True))
+            if rows == cap.rows:  # fla layout [M, H, K, V] -> the pool's [M, H, V, K]
+                cap.add_layer(layer_id, ck.states.transpose(-1, -2).contiguous(), windows)
+            return o
 
         def decode(
             self,
@@ -132,6 +226,12 @@ def apply(ctx) -> None:
         return
     mod._orig_TritonKDAKernel = mod.TritonKDAKernel
     mod.TritonKDAKernel = make_kernel_class(LinearAttnKernelBase, ctx.kernel)
+    if ctx.config.policy == "kda":
+        global CAPTURE_EVERY
+        CAPTURE_EVERY = ctx.config.checkpoint_every_tokens()
+        backend = mod.KDAAttnBackend
+        backend._orig_forward_extend = backend.forward_extend
+        backend.forward_extend = _wrap_forward_extend(backend.forward_extend)
     if ctx.cpu_engine:
         from sglang_kda.kernels.conv_torch import (
             causal_conv1d_fn_torch,

@@ -16,7 +16,14 @@ How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_gri
     request per round (``Scheduler.chunked_req``), so once a round holds one (an admission that
     stays chunked, or a continuing chunk that is still truncated) ``_commit_prefill_admission``
     and ``add_chunked_req`` close the round's chunk budget (``rem_chunk_tokens = 0``): no second
-    request can be admitted and cut in the same round. Only with ``--kda-policy kda``.
+    request can be admitted and cut in the same round.
+    Checkpoint cache (upstream's in-flight ``chunked_req`` never re-matches the tree): before
+    ``add_chunked_req`` cuts the next chunk, the request jumps to the deepest checkpoint cached
+    meanwhile (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``add_one_req`` makes a
+    candidate that shares an uncached prefix with a request admitted in the same round wait for
+    its checkpoints (:func:`sglang_kda.policy.admission.twin_gain`, ``--kda-twins``; it returns
+    ``AddReqResult.OTHER``, which ends the round's admissions as upstream's budget checks do).
+    Only with ``--kda-policy kda``.
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
 
@@ -47,6 +54,9 @@ def _hybrid_grid(adder) -> int:
 def apply(ctx) -> None:
     import importlib
 
+    from sglang_kda.cache.checkpoints import resume_in_flight
+    from sglang_kda.cache.stats import STATS
+    from sglang_kda.policy.admission import Leader, twin_gain
     from sglang_kda.policy.grid import aligned_chunk_len
 
     cls = importlib.import_module(UPSTREAM).PrefillAdder
@@ -57,6 +67,9 @@ def apply(ctx) -> None:
     orig_select = cls._select_prefill_admission
     orig_commit = cls._commit_prefill_admission
     orig_add_chunked = cls.add_chunked_req
+    orig_add_one = cls.add_one_req
+    mod = importlib.import_module(UPSTREAM)
+    twins_on = ctx.config.twins == "on"
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         taken = aligned_chunk_len(prefix_len, budget, remaining, self._kda_grid)
@@ -86,11 +99,29 @@ def apply(ctx) -> None:
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
         orig_commit(self, req, admission, *args, **kwargs)
+        if self._kda_grid > 1 and admission.prefix_len > 0:
+            STATS.add("tokens_from_checkpoints_admission", admission.prefix_len)
         if admission.is_chunked:
             close_round(self)
 
+    @functools.wraps(orig_add_one)
+    def add_one_req(self, req, has_chunked_req, truncation_align_size):
+        if twins_on and self._kda_grid > 1 and self.can_run_list:
+            ids = req.full_untruncated_fill_ids
+            leaders = [
+                Leader(r.full_untruncated_fill_ids, r.prefix_len, r.extend_end)
+                for r in self.can_run_list
+            ]
+            limit = req._compute_max_prefix_len(len(ids))
+            if twin_gain(ids, req.prefix_len, limit, leaders, self._kda_grid):
+                STATS.add("twin_waits")
+                return mod.AddReqResult.OTHER
+        return orig_add_one(self, req, has_chunked_req, truncation_align_size)
+
     @functools.wraps(orig_add_chunked)
     def add_chunked_req(self, req):
+        if self._kda_grid > 1:
+            resume_in_flight(self.tree_cache, req)
         self._kda_prefix_len = req.prefix_len
         still_chunked = orig_add_chunked(self, req)
         if still_chunked is not None:  # running this round or parked: either way it is the one
@@ -116,6 +147,7 @@ def apply(ctx) -> None:
     cls.__init__ = __init__
     cls._select_prefill_admission = _select_prefill_admission
     cls._commit_prefill_admission = _commit_prefill_admission
+    cls.add_one_req = add_one_req
     cls.add_chunked_req = add_chunked_req
     cls.add_one_req_ignore_eos = noting_prefix(cls.add_one_req_ignore_eos)
     cls.floor_chunked_tokens = floor_chunked_tokens

@@ -44,11 +44,18 @@ class KDAConfig:
         CPU, SGLang's own Triton kernel (``upstream``) on CUDA until ours is validated on a GPU.
     max_n: the largest ``n`` (parallel samples) a request may ask for; larger requests get a 400
         (see sglang_kda/validation.py).
+    checkpoint_every: spacing of the KDA checkpoints the kda policy caches while a prefill runs
+        (0: the grid ``max(64, page_size)``).
+    twins: ``on``: twins (requests sharing an uncached prefix, admitted together) compute it once.
+    debug_integrity: ``on``: check tree, state pool and requests after every prefill step.
     """
 
     policy: str = "kda"
     kernel: str = "auto"
     max_n: int = DEFAULT_MAX_N
+    checkpoint_every: int = 0
+    twins: str = "on"
+    debug_integrity: str = "off"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -60,6 +67,30 @@ class KDAConfig:
                 f"--kda-kernel must be one of {', '.join(KERNELS)}; got {self.kernel!r}"
             )
         object.__setattr__(self, "max_n", _positive_int(self.max_n, "--kda-max-n", MAX_N_LIMIT))
+        every = self.checkpoint_every
+        try:
+            every = int(str(every))
+        except ValueError:
+            every = -1
+        if every < 0 or every % 64:
+            raise ConfigError(
+                "--kda-checkpoint-every must be 0 or a positive multiple of 64; "
+                f"got {self.checkpoint_every!r}"
+            )
+        object.__setattr__(self, "checkpoint_every", every)
+        for name in ("twins", "debug_integrity"):
+            if getattr(self, name) not in ("on", "off"):
+                flag = "--kda-" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be on or off; got {getattr(self, name)!r}")
+
+    def checkpoint_every_tokens(self, page_size: int = 1) -> int:
+        """Checkpoint spacing: ``--kda-checkpoint-every`` rounded up to a multiple of the grid
+        ``max(64, page_size)`` (the grid itself when 0)."""
+        from sglang_kda.policy.grid import checkpoint_grid
+
+        grid = checkpoint_grid(page_size)
+        every = self.checkpoint_every or grid
+        return -(-every // grid) * grid
 
     def to_env(self) -> dict[str, str]:
         return {ENV_PREFIX + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}

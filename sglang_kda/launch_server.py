@@ -67,6 +67,33 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
             f"Default: {DEFAULT_MAX_N}."
         ),
     )
+    group.add_argument(
+        "--kda-checkpoint-every",
+        default="0",
+        help=(
+            "Spacing in tokens of the KDA state checkpoints the kda policy puts in the radix "
+            "tree while a prefill runs (a multiple of 64; 0 = the checkpoint grid "
+            "max(64, page_size)). Larger values keep fewer states per prompt. Default: 0."
+        ),
+    )
+    group.add_argument(
+        "--kda-twins",
+        default="on",
+        help=(
+            "'on': a request sharing an uncached prefix with one admitted in the same round "
+            "waits one round and resumes from its checkpoints (twins compute a shared prefix "
+            "once); 'off': admit it at once. Default: on."
+        ),
+    )
+    group.add_argument(
+        "--kda-debug-integrity",
+        default="off",
+        help=(
+            "'on': check the radix tree, the state pool and the live requests against each "
+            "other after every prefill step (slow; a violation is logged and raised). "
+            "Default: off."
+        ),
+    )
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -94,9 +121,17 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
         if a.startswith("--kda-"):
             name = a.split("=", 1)[0]
             raise ConfigError(
-                f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n)"
+                f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
+                "--kda-checkpoint-every, --kda-twins, --kda-debug-integrity)"
             )
-    config = KDAConfig(policy=known.kda_policy, kernel=known.kda_kernel, max_n=known.kda_max_n)
+    config = KDAConfig(
+        policy=known.kda_policy,
+        kernel=known.kda_kernel,
+        max_n=known.kda_max_n,
+        checkpoint_every=known.kda_checkpoint_every,
+        twins=known.kda_twins,
+        debug_integrity=known.kda_debug_integrity,
+    )
     return config, rest
 
 
@@ -159,6 +194,104 @@ def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
     ):
         env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"
     return env
+
+
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def rank_device_ids(
+    tp: int, dp: int = 1, pp: int = 1, base_gpu_id: int = 0, gpu_id_step: int = 1
+) -> list[int]:
+    """The ``gpu_id`` SGLang gives each CPU rank of one node, in (dp, pp, tp) order.
+
+    On CPU that id is the rank's "NUMA index": it picks the rank's ``|``-separated entry of
+    ``SGLANG_CPU_OMP_THREADS_BIND``. Same arithmetic as SGLang's engine (TP/PP ranks) and its
+    data-parallel controller (``base_gpu_id`` advances by ``tp * pp * gpu_id_step`` per DP rank).
+    """
+    return [
+        base_gpu_id + d * tp * pp * gpu_id_step + p * tp + t * gpu_id_step
+        for d in range(dp)
+        for p in range(pp)
+        for t in range(tp)
+    ]
+
+
+def _split_cores(cores: list[int], n: int) -> list[list[int]]:
+    """``n`` contiguous, balanced core groups; with fewer cores than ranks, ranks share cores."""
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    groups, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        groups.append(cores[start:end])
+        start = end
+    return groups
+
+
+def thread_binding(device_ids: list[int], cpus_by_node: list[list[int]]) -> str | None:
+    """A ``SGLANG_CPU_OMP_THREADS_BIND`` value for these ranks, or None when SGLang's default
+    (each rank takes one whole NUMA node) works.
+
+    SGLang's default asserts ``ranks <= NUMA nodes`` (and every rank's index < nodes). Otherwise the
+    ranks are spread evenly over the nodes in order and each node's cores are split between its
+    ranks; entry ``i`` of the value belongs to the rank whose device id is ``i`` (ids no rank
+    uses, possible with ``--base-gpu-id``/``--gpu-id-step``, get all cores).
+    """
+    nodes = [sorted(c) for c in cpus_by_node if c]
+    if not device_ids or not nodes:
+        return None
+    if len(device_ids) <= len(nodes) and max(device_ids) < len(nodes):
+        return None
+    n_ranks = len(device_ids)
+    per_node = [n_ranks // len(nodes) + (j < n_ranks % len(nodes)) for j in range(len(nodes))]
+    groups = []
+    for cores, k in zip(nodes, per_node, strict=True):
+        if k:
+            groups += _split_cores(cores, k)
+    all_cores = ",".join(str(c) for cores in nodes for c in cores)
+    entries = [all_cores] * (max(device_ids) + 1)
+    for dev, group in zip(device_ids, groups, strict=True):
+        entries[dev] = ",".join(map(str, group))
+    return "|".join(entries)
+
+
+def _cpus_by_node() -> list[list[int]]:
+    """Physical cores per NUMA node as SGLang counts them (lscpu and this process's affinity)."""
+    try:
+        from sglang.srt.utils import get_cpu_ids_by_node
+
+        return [[int(c) for c in node.split(",") if c] for node in get_cpu_ids_by_node()]
+    except Exception:  # no lscpu: one node of the cores this process may use
+        return [sorted(os.sched_getaffinity(0))]
+
+
+def cpu_threads_bind_env(server_args, environ=None, cpus_by_node=None) -> tuple[dict, str | None]:
+    """The thread binding the CPU engine needs when its ranks outnumber NUMA nodes.
+
+    Returns ``(env, log line)``; both empty when nothing is needed, when the user set
+    ``SGLANG_CPU_OMP_THREADS_BIND`` (theirs wins) or for multi-node runs (each node's launcher
+    only knows its own cores).
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(THREADS_BIND_ENV) or getattr(server_args, "nnodes", 1) != 1:
+        return {}, None
+    tp, dp, pp = (int(getattr(server_args, f"{k}_size", 1) or 1) for k in ("tp", "dp", "pp"))
+    ids = rank_device_ids(
+        tp,
+        dp,
+        pp,
+        int(getattr(server_args, "base_gpu_id", 0) or 0),
+        int(getattr(server_args, "gpu_id_step", 1) or 1),
+    )
+    nodes = _cpus_by_node() if cpus_by_node is None else cpus_by_node
+    value = thread_binding(ids, nodes)
+    if value is None:
+        return {}, None
+    return {THREADS_BIND_ENV: value}, (
+        f"{len(ids)} CPU ranks (tp {tp} x dp {dp} x pp {pp}) on {len(nodes)} NUMA node(s): "
+        f"set {THREADS_BIND_ENV}={value} (set it yourself to choose the cores)"
+    )
 
 
 def _reject_on_cpu(argv: list[str]) -> None:
@@ -269,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    if cpu_engine:  # before SGLang spawns its ranks, which read it
+        bind_env, note = cpu_threads_bind_env(server_args)
+        os.environ.update(bind_env)
+        if note:
+            print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
     try:
         run_server(server_args)
     finally:

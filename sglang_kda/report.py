@@ -32,11 +32,34 @@ def occupancy(scheduler) -> dict:
     }
 
 
+def _read(obj, name: str):
+    try:
+        return getattr(obj, name)
+    except Exception:  # SGLang's runtime context raises on names this process never set
+        return None
+
+
+def rank_placement() -> dict:
+    """This process's place among SGLang's ranks (``dp_rank`` is None without ``--dp``)."""
+    try:
+        from sglang.srt.runtime_context import get_device, get_parallel
+
+        parallel, device = get_parallel(), get_device()
+    except Exception:  # not an SGLang version with a runtime context
+        return {}
+    placement = {k: _read(parallel, k) for k in ("tp_rank", "dp_rank", "pp_rank")}
+    placement.update({k: _read(parallel, k) for k in ("tp_size", "dp_size", "pp_size")})
+    placement["gpu_id"] = _read(device, "gpu_id")
+    return placement
+
+
 def scheduler_report(ctx, scheduler=None) -> dict:
+    """The report of the calling scheduler process itself (one rank)."""
     from sglang_kda import patches
 
     report = {
         "pid": os.getpid(),
+        **rank_placement(),
         "policy": ctx.config.policy,
         "kernel": ctx.kernel,
         "cpu_engine": ctx.cpu_engine,
@@ -50,4 +73,43 @@ def scheduler_report(ctx, scheduler=None) -> dict:
         report["recent_cuts"] = [
             {"prefix_len": p, "budget": b, "remaining": r, "taken": t} for p, b, r, t in RECENT_CUTS
         ]
+    if "batch_result_processor" in report["patches"] and scheduler is not None:
+        report["cache"] = cache_report(scheduler)
     return report
+
+
+def rank_reports(server_info: dict) -> list[dict]:
+    """Every rank's own report from a ``/server_info`` body: one ``internal_states`` entry per DP
+    rank, each listing the reports of its TP/PP ranks under ``ranks``."""
+    out = []
+    for state in server_info.get("internal_states", []):
+        report = state.get("sglang_kda") or {}
+        out.extend(report.get("ranks") or ([report] if report else []))
+    return out
+
+
+def cache_report(scheduler) -> dict:
+    """The checkpoint cache's counters and an integrity check of tree, state pool and the live
+    requests (run here, between scheduler steps, where every live request is accounted for)."""
+    from sglang_kda.cache.checkpoints import IntegrityError, integrity_report
+    from sglang_kda.cache.stats import STATS
+    from sglang_kda.patches.batch_result_processor import LAST_INTEGRITY
+
+    out = STATS.as_dict()
+    tree = getattr(scheduler, "tree_cache", None)
+    if tree is None or not tree.supports_mamba():
+        return out
+    live = list(getattr(getattr(scheduler, "running_batch", None), "reqs", []) or [])
+    live += [r for r in getattr(scheduler, "waiting_queue", []) or []]
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        live.append(chunked)
+    live = list({id(r): r for r in live}.values())
+    try:
+        out["integrity"] = integrity_report(tree, live, strict=True)
+        out["integrity"]["ok"] = True
+    except IntegrityError as e:
+        out["integrity"] = {"ok": False, "error": str(e)}
+    if LAST_INTEGRITY:
+        out["integrity_last_step"] = dict(LAST_INTEGRITY)
+    return out

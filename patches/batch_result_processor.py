@@ -1,0 +1,72 @@
+"""Patch ``sglang.srt.managers.scheduler_components.batch_result_processor``: after a prefill.
+
+Upstream: ``SchedulerBatchResultProcessor.process_batch_result_prefill`` (runs after every
+    extend forward, before finished requests release their slots).
+Why: the grid checkpoints captured during the forward must enter the radix tree while every
+    request of the batch still holds its KV row and lock; the cache's counters and the optional
+    integrity check also belong right after a prefill step.
+How: before upstream runs, takes the capture (``patches.kda_backend.take_capture``) and hands it
+    to :func:`sglang_kda.cache.checkpoints.insert_checkpoints` with the batch's requests; counts
+    the prefill tokens computed; refreshes the held-checkpoint gauges; with
+    ``--kda-debug-integrity on`` runs :func:`~sglang_kda.cache.checkpoints.integrity_report` on
+    tree, pool and the batch's live requests. Only with ``--kda-policy kda``.
+Remove when: upstream caches per-chunk KDA states (then only the counters remain).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+UPSTREAM = "sglang.srt.managers.scheduler_components.batch_result_processor"
+logger = logging.getLogger(__name__)
+
+# The last integrity report (``--kda-debug-integrity on``), shown in /server_info.
+LAST_INTEGRITY: dict = {}
+
+
+def wanted(ctx) -> bool:
+    return ctx.config.policy == "kda"
+
+
+def apply(ctx) -> None:
+    import importlib
+
+    from sglang_kda.cache import checkpoints
+    from sglang_kda.cache.stats import STATS
+    from sglang_kda.patches import kda_backend
+
+    cls = importlib.import_module(UPSTREAM).SchedulerBatchResultProcessor
+    if getattr(cls, "_sglang_kda_patched", False):
+        return
+    orig = cls.process_batch_result_prefill
+    debug = ctx.config.debug_integrity == "on"
+
+    @functools.wraps(orig)
+    def process_batch_result_prefill(self, batch, result):
+        cap = kda_backend.take_capture()
+        STATS.add("prefill_tokens_computed", int(sum(batch.extend_lens or [])))
+        if cap is not None and self.tree_cache.supports_mamba():
+            every = ctx.config.checkpoint_every_tokens(self.tree_cache.page_size)
+            checkpoints.insert_checkpoints(self.tree_cache, batch.reqs, cap, every)
+            held = checkpoints.held_states(self.tree_cache)
+            STATS.set_held(held, held * checkpoint_nbytes(self.tree_cache))
+        if debug and self.tree_cache.supports_mamba():
+            LAST_INTEGRITY.clear()
+            LAST_INTEGRITY.update(
+                checkpoints.integrity_report(self.tree_cache, batch.reqs, strict=False)
+            )
+        return orig(self, batch, result)
+
+    cls._orig_process_batch_result_prefill = orig
+    cls.process_batch_result_prefill = process_batch_result_prefill
+    cls._sglang_kda_patched = True
+
+
+def checkpoint_nbytes(tree_cache) -> int:
+    """Bytes of one KDA state slot (all layers: recurrent state + short-conv window)."""
+    cache = tree_cache.req_to_token_pool.mamba_pool.mamba_cache
+    slots = cache.temporal.shape[1]
+    per = cache.temporal[:, 0].numel() * cache.temporal.element_size()
+    per += sum(c[:, 0].numel() * c.element_size() for c in cache.conv)
+    return per if slots else 0

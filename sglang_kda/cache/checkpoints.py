@@ -1,0 +1,207 @@
+"""The KDA checkpoint cache's operations on SGLang's radix tree (``UnifiedRadixCache``).
+
+SGLang 0.5.23 already keeps, for a KDA model, one radix tree whose nodes carry the MLA KV pages
+(FULL component) and at most one KDA state slot each (MAMBA component): a state at node ``n`` is
+the recurrent state after the tokens on the path root -> ``n``, and it is usable only together
+with the KV pages of that path, which the tree keeps (a node's KV outlives its state: the tree
+evicts states first). This module adds what SGLang lacks, without monkey-patching anything (the
+``patches/`` modules call it):
+
+* :func:`insert_checkpoints`: after a prefill forward, every grid checkpoint the kernel emitted
+  inside the slice (state and short-conv window, all KDA layers) enters the tree as a node
+  holding a fresh slot, through SGLang's own ``checkpoint_into_tree`` (so KV ownership, locks and
+  page dedup follow SGLang's rules). The live state slot is never handed to the tree.
+* :func:`write_checkpoint_slot`: copies one captured checkpoint into a fresh state slot.
+* :func:`resume_in_flight`: the in-flight chunked request re-matches the tree each round and
+  jumps to the deepest cached checkpoint past its progress (its KV row takes the cached pages,
+  its live slot receives a *copy* of the checkpoint).
+* :func:`integrity_report`: walks tree, pool and requests; see its docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from sglang_kda.cache.capture import ForwardCapture
+from sglang_kda.cache.stats import STATS
+
+logger = logging.getLogger(__name__)
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+def _mamba_type():
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return ComponentType.MAMBA
+
+
+def insert_checkpoints(tree_cache, reqs: list, cap: ForwardCapture, every: int) -> int:
+    """Insert ``cap``'s checkpoints of ``reqs`` (the batch, in forward order) into the tree.
+
+    Skipped: finished or cache-barred requests, positions already covered by the request's
+    protected prefix, decode rows of a mixed batch, and the slice end of a request whose prefill
+    goes on (SGLang's own chunk-end checkpoint copies the live state there). Returns how many
+    checkpoints entered the tree.
+    """
+    if getattr(tree_cache, "disable", True) or not cap.rows or not cap.layers:
+        return 0
+    if len(reqs) != len(cap.prefix_lens):
+        logger.warning("capture/batch mismatch (%d vs %d); dropped", len(cap.prefix_lens), len(reqs))
+        return 0
+    inserted = 0
+    for i, req in enumerate(reqs):
+        if req.finished() or getattr(req, "skip_radix_cache_insert", False):
+            continue
+        if req.kv.req_pool_idx is None or len(req.output_ids) > 0:
+            continue
+        end = cap.prefix_lens[i] + cap.extend_lens[i]
+        unfinished = end < len(req.full_untruncated_fill_ids)
+        for pos in cap.positions_of(i):
+            if pos % every or pos <= req.kv.cache_protected_len or (pos == end and unfinished):
+                continue
+            req._kda_checkpoint = (cap, cap.row_index(i, pos))
+            try:
+                before = req.kv.cache_protected_len
+                tree_cache.checkpoint_into_tree(req, up_to=pos)
+                if req.kv.cache_protected_len > before:
+                    inserted += 1
+            finally:
+                req._kda_checkpoint = None
+    if inserted:
+        STATS.add("checkpoints_admitted", inserted)
+    return inserted
+
+
+def write_checkpoint_slot(cache, req) -> Optional[torch.Tensor]:
+    """A fresh state slot holding ``req._kda_checkpoint``; None when no slot can be had.
+
+    Called from the MAMBA component's ``prepare_for_caching_req`` while the tree inserts a
+    captured checkpoint. May evict other tree states (LRU) to make room, never a live one.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cap, row = req._kda_checkpoint
+    pool = cache.req_to_token_pool
+    mamba_pool = pool.mamba_pool
+    layer_ids = list(mamba_pool.mamba_layer_ids)
+    if row is None or sorted(cap.layers) != sorted(layer_ids):
+        return None
+    slot = pool.mamba_allocator.alloc(1)
+    if slot is None:
+        cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+        slot = pool.mamba_allocator.alloc(1)
+    if slot is None:
+        STATS.add("checkpoints_skipped_no_slot")
+        return None
+    phys = pool.translate_mamba_indices(slot.view(-1)).long()
+    temporal = mamba_pool.mamba_cache.temporal
+    conv = mamba_pool.mamba_cache.conv[0]
+    for li, layer_id in enumerate(layer_ids):
+        lc = cap.layers[layer_id]
+        temporal[li, phys] = lc.states[row].to(temporal.dtype)
+        conv[li, phys] = lc.conv[row].to(conv.dtype)
+    return slot
+
+
+def resume_in_flight(tree_cache, req) -> int:
+    """Jump an in-flight chunked request to the deepest cached checkpoint past its progress.
+
+    Returns the number of prompt tokens skipped (0 when nothing deeper is cached). Preconditions
+    (SGLang's chunked-prefill bookkeeping between rounds): the request's KV row is filled up to
+    ``prefix_len == cache_protected_len`` and holds a lock on ``last_node``.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.common import _req_radix_key
+
+    if getattr(tree_cache, "disable", True) or req.kv.req_pool_idx is None:
+        return 0
+    if not req.kv.holds_mamba or req.kv.cache_protected_len != req.prefix_len:
+        return 0
+    token_ids = req.full_untruncated_fill_ids
+    limit = req._compute_max_prefix_len(len(token_ids))
+    if limit <= req.prefix_len:
+        return 0
+    res = tree_cache.match_prefix(
+        MatchPrefixParams(key=_req_radix_key(tree_cache, req, token_ids, limit), cow_mamba=False)
+    )
+    new_len = int(res.device_prefix_len)
+    if new_len <= req.prefix_len:
+        return 0
+    node = res.last_device_node
+    src = tree_cache.tree_core.get_component_device_value(node, _mamba_type())
+    if src is None:
+        return 0
+    indices = tree_cache.path_device_indices(node)
+    if len(indices) < new_len:
+        return 0
+    old = req.prefix_len
+    pool = tree_cache.req_to_token_pool
+    pool.write((req.kv.req_pool_idx, slice(old, new_len)), indices[old:new_len].to(torch.int32))
+    # A copy into the request's own live slot: the tree's checkpoint stays the tree's.
+    pool.mamba_pool.copy_from(
+        pool.translate_mamba_indices(src.view(-1)),
+        pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)),
+    )
+    new_lock = tree_cache.lock(node)
+    tree_cache.unlock(req.lock)
+    req.lock = new_lock
+    req.last_node = node
+    req.prefix_len = new_len
+    req.kv.cache_protected_len = new_len
+    req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, new_len)
+    STATS.add("midprefill_resumes")
+    STATS.add("tokens_from_checkpoints_midprefill", new_len - old)
+    return new_len - old
+
+
+def _live_state_slots(reqs: Iterable) -> list[int]:
+    out = []
+    for r in reqs:
+        if r is not None and r.kv.holds_mamba and r.kv.mamba_pool_idx is not None:
+            out.append(int(r.kv.mamba_pool_idx))
+    return out
+
+
+def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) -> dict:
+    """Check the tree, the state pool and the live requests against each other.
+
+    - no state slot is held twice by the tree, nor by two live requests;
+    - **no live request's slot is referenced by the tree** (live states are never shared);
+    - every allocated state slot is owned: tree states + live slots == slots in use (no orphan),
+      when ``strict`` (at a quiescent point, e.g. between scheduler steps);
+    - SGLang's own tree ``sanity_check`` (reference and lock counts, sizes) where it has one.
+
+    Raises :class:`IntegrityError` on the first violation; returns the counts it checked.
+    """
+    pool = tree_cache.req_to_token_pool
+    allocator = pool.mamba_allocator
+    tree_vals = [int(x) for x in tree_cache.all_mamba_values_flatten().view(-1).tolist()]
+    live = _live_state_slots(live_reqs)
+    if len(set(tree_vals)) != len(tree_vals):
+        raise IntegrityError(f"a state slot is held twice by the tree: {sorted(tree_vals)}")
+    if len(set(live)) != len(live):
+        raise IntegrityError(f"a state slot is held by two live requests: {sorted(live)}")
+    shared = set(tree_vals) & set(live)
+    if shared:
+        raise IntegrityError(f"live state slots referenced by the tree: {sorted(shared)}")
+    total = int(getattr(allocator, "size", 0) or 0)
+    free = int(allocator.available_size())
+    used = total - free if total else None
+    if strict and used is not None and used != len(tree_vals) + len(live):
+        raise IntegrityError(
+            f"state slots in use {used} != tree {len(tree_vals)} + live {len(live)} (orphans)"
+        )
+    return {"tree_states": len(tree_vals), "live_states": len(live), "slots_in_use": used}
+
+
+def held_states(tree_cache) -> int:
+    try:
+        return int(tree_cache.all_mamba_values_flatten().numel())
+    except Exception:
+        return 0
