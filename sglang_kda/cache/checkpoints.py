@@ -52,7 +52,8 @@ def insert_checkpoints(tree_cache, reqs: list, cap: ForwardCapture, every: int) 
     if getattr(tree_cache, "disable", True) or not cap.rows or not cap.layers:
         return 0
     if len(reqs) != len(cap.prefix_lens):
-        logger.warning("capture/batch mismatch (%d vs %d); dropped", len(cap.prefix_lens), len(reqs))
+        n_cap, n_batch = len(cap.prefix_lens), len(reqs)
+        logger.warning("capture/batch mismatch (%d vs %d); dropped", n_cap, n_batch)
         return 0
     inserted = 0
     for i, req in enumerate(reqs):

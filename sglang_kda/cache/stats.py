@@ -12,9 +12,16 @@ from dataclasses import asdict, dataclass
 
 _HELP = {
     "prefill_tokens_computed": "Prompt tokens run through the model in prefill (extend) batches",
-    "tokens_from_checkpoints_admission": "Prompt tokens skipped at admission thanks to a cached KDA checkpoint",
-    "tokens_from_checkpoints_midprefill": "Prompt tokens an in-flight chunked request skipped by resuming from a checkpoint cached meanwhile",
-    "midprefill_resumes": "Times an in-flight chunked request jumped to a deeper cached checkpoint",
+    "tokens_from_checkpoints_admission": (
+        "Prompt tokens skipped at admission thanks to a cached KDA checkpoint"
+    ),
+    "tokens_from_checkpoints_midprefill": (
+        "Prompt tokens an in-flight chunked request skipped by resuming from a checkpoint "
+        "cached meanwhile"
+    ),
+    "midprefill_resumes": (
+        "Times an in-flight chunked request jumped to a deeper cached checkpoint"
+    ),
     "checkpoints_admitted": "Grid checkpoints inserted into the radix tree",
     "checkpoints_skipped_no_slot": "Grid checkpoints dropped because no state slot could be had",
     "checkpoints_evicted": "Checkpoints (KDA states) evicted from the radix tree",
