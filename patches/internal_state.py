@@ -2,10 +2,14 @@
 
 Upstream: ``SchedulerInternalStateController.get_internal_state`` (served by
     ``GET /server_info`` under ``internal_states``).
-Why: users and tests need to see, from the scheduler process itself, which sglang_kda patches and
-    policy are live there (patches applied only in the launcher would never reach it).
-How: wraps the method; adds ``state["sglang_kda"] = {pid, policy, kernel, patches, occupancy}`` by
-    :func:`sglang_kda.report.scheduler_report`.
+Why: users and tests need to see, from the scheduler processes themselves, which sglang_kda
+    patches and policy are live there (patches applied only in the launcher would never reach
+    them), in every rank: only TP rank 0 of each DP rank answers ``/server_info``.
+How: wraps the method; adds ``state["sglang_kda"] = {pid, tp/dp/pp rank, policy, kernel, patches,
+    occupancy, ranks}`` by :func:`sglang_kda.report.scheduler_report`. Every TP rank runs the
+    request (SGLang broadcasts control requests over the TP group), so each builds its own report
+    and they are all-gathered over the TP CPU (gloo) group into ``ranks`` (one per TP rank, in
+    rank order). DP ranks answer separately (one ``internal_states`` entry each).
 Remove when: SGLang's plugin framework exposes loaded plugins in ``/server_info``.
 """
 
@@ -34,8 +38,22 @@ def apply(ctx) -> None:
         out = orig(self, recv_req)
         from sglang_kda.report import scheduler_report
 
-        out.internal_state["sglang_kda"] = scheduler_report(ctx, getattr(self, "scheduler", None))
+        scheduler = getattr(self, "scheduler", None)
+        report = scheduler_report(ctx, scheduler)
+        out.internal_state["sglang_kda"] = dict(report, ranks=_tp_group_reports(scheduler, report))
         return out
 
     get_internal_state._sglang_kda = True
     cls.get_internal_state = get_internal_state
+
+
+def _tp_group_reports(scheduler, report: dict) -> list[dict]:
+    """Every TP rank's report, in rank order (a collective: all TP ranks get here together)."""
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if group is None or (report.get("tp_size") or 1) <= 1:
+        return [dict(report)]
+    import torch.distributed as dist
+
+    reports = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(reports, report, group=group)
+    return reports
