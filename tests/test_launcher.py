@@ -100,3 +100,62 @@ def test_triton_kernel_on_cuda_forces_no_buffer(tiny_model_dir, monkeypatch):
         )
     _, argv, _ = build_argv(["--model-path", str(tiny_model_dir)])  # auto: stock GPU settings
     assert "--mamba-radix-cache-strategy" not in argv
+
+
+# --- CPU thread binding for several ranks (--tp/--dp on CPU) -----------------------------------
+
+
+def _ranks_args(tp=1, dp=1, pp=1, **kw):
+    from types import SimpleNamespace
+
+    fields = dict(tp_size=tp, dp_size=dp, pp_size=pp, base_gpu_id=0, gpu_id_step=1, nnodes=1)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def test_thread_binding_set_when_ranks_outnumber_numa_nodes():
+    from sglang_kda.launch_server import THREADS_BIND_ENV, cpu_threads_bind_env
+
+    one_node = [[0, 1]]
+    for args, value in [
+        (_ranks_args(tp=2), "0|1"),
+        (_ranks_args(dp=2), "0|1"),
+        (_ranks_args(tp=2, dp=2), "0|1|0|1"),  # more ranks than cores: ranks share cores
+    ]:
+        env, note = cpu_threads_bind_env(args, environ={}, cpus_by_node=one_node)
+        assert env == {THREADS_BIND_ENV: value}
+        assert THREADS_BIND_ENV in note and "NUMA" in note
+    env, _ = cpu_threads_bind_env(
+        _ranks_args(tp=4), environ={}, cpus_by_node=[list(range(8)), list(range(8, 16))]
+    )
+    assert env[THREADS_BIND_ENV] == "0,1,2,3|4,5,6,7|8,9,10,11|12,13,14,15"
+
+
+def test_thread_binding_left_alone_when_given_or_not_needed():
+    from sglang_kda.launch_server import THREADS_BIND_ENV, cpu_threads_bind_env
+
+    user = {THREADS_BIND_ENV: "0-15|16-31"}
+    assert cpu_threads_bind_env(_ranks_args(tp=2), environ=user, cpus_by_node=[[0, 1]]) == (
+        {},
+        None,
+    )
+    # one rank, or a NUMA node per rank: SGLang's own default binding works
+    assert cpu_threads_bind_env(_ranks_args(), environ={}, cpus_by_node=[[0, 1]]) == ({}, None)
+    two_nodes = [[0, 1], [2, 3]]
+    assert cpu_threads_bind_env(_ranks_args(dp=2), environ={}, cpus_by_node=two_nodes) == ({}, None)
+    # multi-node: each node's launcher only sees its own cores; left to the user
+    assert cpu_threads_bind_env(_ranks_args(tp=4, nnodes=2), environ={}, cpus_by_node=[[0, 1]]) == (
+        {},
+        None,
+    )
+
+
+def test_thread_binding_indexed_by_device_id():
+    from sglang_kda.launch_server import rank_device_ids, thread_binding
+
+    # SGLang's gpu_id per rank: DP ranks advance by tp * pp * step; --base-gpu-id shifts them all
+    assert rank_device_ids(2, dp=2) == [0, 1, 2, 3]
+    assert rank_device_ids(2, base_gpu_id=1) == [1, 2]
+    assert rank_device_ids(2, gpu_id_step=2) == [0, 2]
+    # index 0 is used by no rank: it gets all cores; each used index its own group
+    assert thread_binding([1, 2], [[0, 1, 2, 3]]) == "0,1,2,3|0,1|2,3"
+    assert thread_binding([0], [[0, 1]]) is None
