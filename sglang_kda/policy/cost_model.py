@@ -1,0 +1,354 @@
+"""Predicted time of a scheduler round (one forward batch) from its shape.
+
+SGLang prices a round by token count. A KDA prefill slice costs more than its tokens: its
+``ceil(c / 64)`` chunk steps run one after another through every KDA layer (the recurrent state
+of step ``i`` feeds step ``i + 1``), and the MLA layers attend from each new token to the whole
+context so far. A slice of ``c`` tokens after a prefix of ``L`` tokens does attention work
+``c * (L + c / 2)`` (query rows x keys, causal within the slice); over a whole prompt the sum
+telescopes to ``(end**2 - start**2) / 2`` however the prompt is sliced
+(:func:`attention_work`).
+
+The model is linear in five features of a batch (:class:`BatchShape`), each with its own
+coefficient in seconds (:class:`Coefficients`)::
+
+    t = overhead                                   # one forward: launch, sampling, scheduling
+      + per_token      * (decode tokens + prefill tokens)        # dense / MoE / projections
+      + per_kda_step   * kda_layers * serial KDA chunk steps
+      + per_attn_unit  * mla_layers * sum c * (L + c / 2)         # MLA prefill attention
+      + per_decode_ctx * mla_layers * sum of decode context lengths
+
+Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
+another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
+longest slice's steps instead (for the simulator's GPU cost models).
+
+Everything here is plain arithmetic on integers and floats: time is an input (measured by the
+caller), never read from a clock, so the same object runs in the scheduler and in a simulator.
+
+Calibration (:class:`OnlineFit`): the scheduler records each real step (its shape and measured
+seconds) and refits the coefficients by non-negative least squares over a window of recent steps;
+the fit starts from a file (``--kda-cost-model FILE``, or a cache file keyed by model, device and
+dtype) when one exists, and is saved back. The relative prediction error on real steps is kept
+as an exponential moving average; :attr:`OnlineFit.drifting` says when it exceeds a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+KDA_CHUNK = 64
+FILE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A prefill slice: ``extend`` new tokens after ``prefix`` tokens already computed."""
+
+    prefix: int
+    extend: int
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the cost of a round depends on.
+
+    decode_ctx: context length (tokens already in the cache) of each decode token in the batch.
+    slices: the prefill slices in the batch.
+    """
+
+    decode_ctx: tuple[int, ...] = ()
+    slices: tuple[Slice, ...] = ()
+
+    @staticmethod
+    def of(decode_ctx: Iterable[int] = (), slices: Iterable[tuple[int, int] | Slice] = ()):
+        sl = tuple(s if isinstance(s, Slice) else Slice(*s) for s in slices)
+        return BatchShape(tuple(int(c) for c in decode_ctx), sl)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.decode_ctx) + sum(s.extend for s in self.slices)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.n_tokens == 0
+
+
+def kda_steps(extend: int, chunk: int = KDA_CHUNK) -> int:
+    """Serial KDA chunk steps of a slice of ``extend`` tokens."""
+    return -(-extend // chunk) if extend > 0 else 0
+
+
+def attention_work(prefix: int, extend: int) -> float:
+    """MLA prefill attention work of a slice: ``extend * (prefix + extend / 2)``.
+
+    Equal to ``((prefix + extend)**2 - prefix**2) / 2``: the work of a whole prompt does not
+    depend on how it is sliced.
+    """
+    return extend * (prefix + extend / 2.0)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Seconds per unit of each feature (see the module docstring)."""
+
+    overhead: float = 2e-3
+    per_token: float = 2e-5
+    per_kda_step: float = 2e-4
+    per_attn_unit: float = 1e-9
+    per_decode_ctx: float = 1e-8
+
+    def as_vector(self) -> np.ndarray:
+        return np.array(
+            [
+                self.overhead,
+                self.per_token,
+                self.per_kda_step,
+                self.per_attn_unit,
+                self.per_decode_ctx,
+            ]
+        )
+
+    @staticmethod
+    def from_vector(v: Sequence[float]) -> "Coefficients":
+        return Coefficients(*(float(x) for x in v))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of a batch; see the module docstring for the formula.
+
+    kda_layers / mla_layers: layer counts of the model (the coefficients are per layer).
+    parallel_slices: serial KDA steps of a batch = the longest slice's (GPU varlen) instead of
+        the sum over slices (CPU).
+    """
+
+    coef: Coefficients = field(default_factory=Coefficients)
+    kda_layers: int = 1
+    mla_layers: int = 1
+    parallel_slices: bool = False
+    chunk: int = KDA_CHUNK
+
+    # -- features -------------------------------------------------------------------------
+    def features(self, shape: BatchShape) -> np.ndarray:
+        """The five features of ``shape`` (layer counts folded in), in coefficient order."""
+        steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
+        serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
+        if shape.decode_ctx:
+            serial += 1  # one recurrent step for the whole decode batch
+        attn = sum(attention_work(s.prefix, s.extend) for s in shape.slices)
+        return np.array(
+            [
+                0.0 if shape.is_empty else 1.0,
+                float(shape.n_tokens),
+                float(serial * self.kda_layers),
+                float(attn * self.mla_layers),
+                float(sum(shape.decode_ctx) * self.mla_layers),
+            ]
+        )
+
+    def predict(self, shape: BatchShape) -> float:
+        """Predicted seconds of one forward of ``shape`` (0 for an empty batch)."""
+        return float(self.features(shape) @ self.coef.as_vector())
+
+    # -- pieces the budget needs in closed form ---------------------------------------------
+    def decode_cost(self, decode_ctx: Sequence[int]) -> float:
+        """What the decode tokens add to a round that runs anyway (no overhead)."""
+        c = self.coef
+        if not decode_ctx:
+            return 0.0
+        return (
+            c.per_token * len(decode_ctx)
+            + c.per_kda_step * self.kda_layers
+            + c.per_decode_ctx * self.mla_layers * sum(decode_ctx)
+        )
+
+    def prefill_work(self, start: int, end: int) -> float:
+        """Seconds of prefilling tokens ``[start, end)`` on the grid, without round overheads.
+
+        Exact for any slicing whose cuts fall on the KDA chunk grid (the attention term
+        telescopes; the serial steps add up to ``ceil`` of the span per grid segment).
+        """
+        if end <= start:
+            return 0.0
+        c = self.coef
+        n = end - start
+        return (
+            c.per_token * n
+            + c.per_kda_step * self.kda_layers * kda_steps(n, self.chunk)
+            + c.per_attn_unit * self.mla_layers * attention_work(start, n)
+        )
+
+    def alone_time(self, start: int, end: int, max_slice: int) -> float:
+        """Seconds to prefill ``[start, end)`` running alone in slices of ``max_slice`` tokens."""
+        if end <= start:
+            return 0.0
+        rounds = -(-(end - start) // max(1, max_slice))
+        return rounds * self.coef.overhead + self.prefill_work(start, end)
+
+    # -- file format ----------------------------------------------------------------------
+    def to_dict(self, key: str = "") -> dict:
+        return {
+            "format": FILE_FORMAT,
+            "key": key,
+            "coefficients": asdict(self.coef),
+            "kda_layers": self.kda_layers,
+            "mla_layers": self.mla_layers,
+            "parallel_slices": self.parallel_slices,
+            "chunk": self.chunk,
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> "CostModel":
+        if d.get("format") != FILE_FORMAT:
+            raise ValueError(f"cost model file format {d.get('format')!r}, expected {FILE_FORMAT}")
+        return CostModel(
+            coef=Coefficients(**d["coefficients"]),
+            kda_layers=int(d["kda_layers"]),
+            mla_layers=int(d["mla_layers"]),
+            parallel_slices=bool(d.get("parallel_slices", False)),
+            chunk=int(d.get("chunk", KDA_CHUNK)),
+        )
+
+    def save(self, path: str | os.PathLike, key: str = "", extra: dict | None = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({**self.to_dict(key), **(extra or {})}, indent=1))
+        os.replace(tmp, path)
+
+    @staticmethod
+    def load(path: str | os.PathLike) -> "CostModel":
+        return CostModel.from_dict(json.loads(Path(path).read_text()))
+
+
+def cache_key(model: str, device: str, dtype: str) -> str:
+    """The cache key of a calibration: model (its directory name), device and dtype."""
+    name = Path(str(model).rstrip("/")).name or str(model)
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{name}-{device}-{dtype}")
+    return safe
+
+
+def default_cache_path(key: str) -> Path:
+    """``$SGLANG_KDA_CACHE_DIR`` (or ``~/.cache/sglang_kda``) ``/cost_model/<key>.json``."""
+    root = os.environ.get("SGLANG_KDA_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang_kda"
+    )
+    return Path(root) / "cost_model" / f"{key}.json"
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
+    """Non-negative least squares ``min ||a x - b||, x >= 0`` (Lawson-Hanson active set).
+
+    Small and dependency-free; columns that are all zero get coefficient 0.
+    """
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0))) * max(1.0, float(np.abs(b).max()))
+    for _ in range(iters):
+        if passive.all() or not (w[~passive] > tol).any():
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg] + 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+        w = a.T @ (b - a @ x)
+    return x
+
+
+@dataclass
+class OnlineFit:
+    """Refits a :class:`CostModel` from measured steps; tracks its prediction error.
+
+    window: recent steps kept for the fit.
+    refit_every: steps between refits.
+    min_samples: steps before the first refit (until then the starting model stands).
+    drift_threshold: relative error (EMA) past which :attr:`drifting` is true.
+    """
+
+    model: CostModel
+    window: int = 512
+    refit_every: int = 16
+    min_samples: int = 12
+    drift_threshold: float = 0.3
+    ema_alpha: float = 0.1
+    samples_x: list = field(default_factory=list)
+    samples_y: list = field(default_factory=list)
+    n_observed: int = 0
+    error_ema: float | None = None
+    last_error: float | None = None
+
+    def observe(self, shape: BatchShape, seconds: float) -> float:
+        """Record one real step; returns its relative prediction error (before any refit)."""
+        if shape.is_empty or seconds <= 0:
+            return 0.0
+        pred = self.model.predict(shape)
+        err = abs(pred - seconds) / seconds
+        self.last_error = err
+        a = self.ema_alpha
+        self.error_ema = err if self.error_ema is None else (1 - a) * self.error_ema + a * err
+        self.samples_x.append(self.model.features(shape))
+        self.samples_y.append(float(seconds))
+        if len(self.samples_x) > self.window:
+            del self.samples_x[0], self.samples_y[0]
+        self.n_observed += 1
+        if len(self.samples_x) >= self.min_samples and self.n_observed % self.refit_every == 0:
+            if self.drifting:  # the machine changed: forget the steps from before
+                keep = max(self.min_samples, self.refit_every)
+                del self.samples_x[:-keep], self.samples_y[:-keep]
+            self.refit()
+        return err
+
+    def refit(self) -> CostModel:
+        """Refit on the window, weighting each step by 1 / its time (relative error)."""
+        x = np.array(self.samples_x)
+        y = np.array(self.samples_y)
+        w = 1.0 / np.maximum(y, 1e-6)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of very different size
+        v = nnls(x * w[:, None] / scale, y * w)
+        prior = self.model.coef.as_vector()
+        # A feature never seen in the window (no prefill yet, say) keeps its prior coefficient.
+        seen = np.abs(x).max(axis=0) > 0
+        coef = np.where(seen, v / scale, prior)
+        self.model = replace(self.model, coef=Coefficients.from_vector(coef))
+        return self.model
+
+    @property
+    def drifting(self) -> bool:
+        return (
+            self.error_ema is not None
+            and self.n_observed >= self.min_samples
+            and self.error_ema > self.drift_threshold
+        )
+
+
+def fit(shapes: Sequence[BatchShape], seconds: Sequence[float], base: CostModel) -> CostModel:
+    """A model fitted on ``(shape, seconds)`` pairs, with ``base``'s layer counts."""
+    f = OnlineFit(base, window=max(1, len(shapes)), min_samples=1, refit_every=1 << 30)
+    for s, t in zip(shapes, seconds):
+        f.observe(s, t)
+    return f.refit()
+
+
+def rel_error(model: CostModel, shapes: Sequence[BatchShape], seconds: Sequence[float]) -> float:
+    """Mean relative error of ``model`` on measured steps."""
+    errs = [abs(model.predict(s) - t) / t for s, t in zip(shapes, seconds) if t > 0]
+    return float(sum(errs) / len(errs)) if errs else math.nan

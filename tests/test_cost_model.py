@@ -1,0 +1,183 @@
+"""The cost model: features, closed forms, fitting and the file format."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_kda.policy.cost_model import (
+    BatchShape,
+    Coefficients,
+    CostModel,
+    OnlineFit,
+    Slice,
+    attention_work,
+    cache_key,
+    default_cache_path,
+    fit,
+    kda_steps,
+    nnls,
+    rel_error,
+)
+
+TRUE = CostModel(
+    Coefficients(
+        overhead=4e-3, per_token=3e-5, per_kda_step=5e-4, per_attn_unit=2e-9, per_decode_ctx=3e-8
+    ),
+    kda_layers=3,
+    mla_layers=1,
+)
+
+
+@pytest.mark.parametrize(
+    "extend,steps", [(0, 0), (1, 1), (63, 1), (64, 1), (65, 2), (500, 8), (4096, 64)]
+)
+def test_kda_steps(extend, steps):
+    assert kda_steps(extend) == steps
+
+
+def test_empty_batch_costs_nothing():
+    assert TRUE.predict(BatchShape()) == 0.0
+
+
+def test_features_by_hand():
+    shape = BatchShape.of(decode_ctx=[100, 200], slices=[(128, 64), (0, 65)])
+    f = TRUE.features(shape)
+    assert list(f) == [
+        1.0,
+        2 + 64 + 65,
+        (1 + 2 + 1) * 3,  # slices' chunk steps + one decode step, x 3 KDA layers
+        64 * (128 + 32) + 65 * 32.5,
+        300.0,
+    ]
+
+
+def test_parallel_slices_take_the_longest():
+    m = CostModel(TRUE.coef, kda_layers=1, parallel_slices=True)
+    f = m.features(BatchShape.of(slices=[(0, 640), (0, 64)]))
+    assert f[2] == 10
+
+
+@given(
+    st.integers(0, 10_000),
+    st.lists(st.integers(1, 40), min_size=1, max_size=8),
+)
+def test_attention_work_telescopes(start, grid_steps):
+    cuts = [start]
+    for g in grid_steps:
+        cuts.append(cuts[-1] + 64 * g)
+    total = sum(attention_work(a, b - a) for a, b in zip(cuts, cuts[1:]))
+    assert total == pytest.approx(attention_work(start, cuts[-1] - start))
+
+
+@given(st.integers(0, 5000).map(lambda x: x * 64), st.integers(1, 80), st.integers(1, 16))
+def test_prefill_work_is_the_sum_of_grid_slices(start, n_grid, slice_grid):
+    """Round costs minus their overheads add up to prefill_work for any grid slicing."""
+    end = start + 64 * n_grid
+    pos, total, rounds = start, 0.0, 0
+    while pos < end:
+        c = min(64 * slice_grid, end - pos)
+        total += TRUE.predict(BatchShape.of(slices=[(pos, c)]))
+        pos += c
+        rounds += 1
+    assert total - rounds * TRUE.coef.overhead == pytest.approx(TRUE.prefill_work(start, end))
+    assert TRUE.alone_time(start, end, 64 * slice_grid) == pytest.approx(total)
+
+
+def test_decode_cost_is_the_marginal_decode_cost():
+    decode = [300, 5000, 17]
+    s = BatchShape.of(slices=[(640, 256)])
+    both = BatchShape.of(decode_ctx=decode, slices=[(640, 256)])
+    assert TRUE.predict(both) - TRUE.predict(s) == pytest.approx(TRUE.decode_cost(decode))
+
+
+def test_nnls_matches_known_nonnegative_solution():
+    rng = random.Random(0)
+    a = [[rng.random() for _ in range(4)] for _ in range(30)]
+    import numpy as np
+
+    a = np.array(a)
+    x = np.array([1.0, 0.0, 2.5, 0.3])
+    got = nnls(a, a @ x)
+    assert got == pytest.approx(x, abs=1e-8)
+    # A negative least-squares solution is clipped to the boundary.
+    b = a @ np.array([1.0, -1.0, 0.0, 0.0])
+    assert (nnls(a, b) >= 0).all()
+
+
+def _random_shapes(rng: random.Random, n: int) -> list[BatchShape]:
+    shapes = []
+    for _ in range(n):
+        dec = [rng.randint(10, 8000) for _ in range(rng.choice([0, 0, 1, 4, 8]))]
+        sl = []
+        if rng.random() < 0.7 or not dec:
+            sl.append((64 * rng.randint(0, 100), rng.choice([1, 30, 64, 256, 1024, 4096])))
+        shapes.append(BatchShape.of(dec, sl))
+    return shapes
+
+
+def test_fit_recovers_true_coefficients_from_noisy_steps():
+    rng = random.Random(1)
+    shapes = _random_shapes(rng, 200)
+    secs = [TRUE.predict(s) * (1 + rng.uniform(-0.03, 0.03)) for s in shapes]
+    base = CostModel(kda_layers=3, mla_layers=1)
+    assert rel_error(base, shapes, secs) > 0.3
+    got = fit(shapes, secs, base)
+    assert rel_error(got, shapes, secs) < 0.05
+    assert got.kda_layers == 3
+
+
+def test_online_fit_converges_and_reports_drift():
+    rng = random.Random(2)
+    f = OnlineFit(CostModel(kda_layers=3, mla_layers=1), refit_every=8, min_samples=8)
+    for s in _random_shapes(rng, 160):
+        f.observe(s, TRUE.predict(s))
+    assert f.error_ema < 0.05 and not f.drifting
+    # The machine gets 3x slower: the error jumps, the EMA crosses the threshold, and refits
+    # bring it back down.
+    slow = [f.observe(s, 3 * TRUE.predict(s)) for s in _random_shapes(rng, 8)]
+    assert max(slow) > 0.5
+    assert f.drifting
+    for s in _random_shapes(rng, 400):
+        f.observe(s, 3 * TRUE.predict(s))
+    assert not f.drifting
+
+
+def test_unseen_feature_keeps_its_prior():
+    """Decode-only steps say nothing about prefill attention: its prior coefficient stays."""
+    rng = random.Random(3)
+    shapes = [BatchShape.of([rng.randint(1, 500) for _ in range(rng.randint(1, 8))]) for _ in range(50)]
+    got = fit(shapes, [TRUE.predict(s) for s in shapes], CostModel(kda_layers=3))
+    assert got.coef.per_attn_unit == CostModel().coef.per_attn_unit
+
+
+def test_file_round_trip(tmp_path):
+    p = tmp_path / "m.json"
+    TRUE.save(p, key="k")
+    assert CostModel.load(p) == TRUE
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 99}')
+    with pytest.raises(ValueError, match="format"):
+        CostModel.load(bad)
+
+
+def test_cache_key_and_path(monkeypatch, tmp_path):
+    key = cache_key("/x/models/tiny-kimi-linear/", "cpu", "float32")
+    assert key == "tiny-kimi-linear-cpu-float32"
+    monkeypatch.setenv("SGLANG_KDA_CACHE_DIR", str(tmp_path))
+    assert default_cache_path(key) == tmp_path / "cost_model" / f"{key}.json"
+
+
+@settings(max_examples=50)
+@given(st.lists(st.tuples(st.integers(0, 9000), st.integers(1, 3000)), max_size=4))
+def test_predict_is_monotone_in_extend(slices):
+    """Adding tokens to a slice never makes a batch cheaper."""
+    for i in range(len(slices)):
+        more = list(slices)
+        more[i] = (more[i][0], more[i][1] + 64)
+        a = TRUE.predict(BatchShape.of([100], [Slice(*s) for s in slices]))
+        b = TRUE.predict(BatchShape.of([100], [Slice(*s) for s in more]))
+        assert b >= a
