@@ -49,8 +49,10 @@ def apply(ctx) -> None:
         if cap is not None and self.tree_cache.supports_mamba():
             every = ctx.config.checkpoint_every_tokens(self.tree_cache.page_size)
             checkpoints.insert_checkpoints(self.tree_cache, batch.reqs, cap, every)
-            held = checkpoints.held_states(self.tree_cache)
-            STATS.set_held(held, held * checkpoint_nbytes(self.tree_cache))
+            nbytes = checkpoint_nbytes(self.tree_cache)
+            _log_pool_once(self.tree_cache, nbytes, ctx.config.checkpoint_pool_size)
+            held = checkpoints.enforce_pool_size(self.tree_cache, ctx.config.checkpoint_pool_size)
+            STATS.set_held(held, held * nbytes)
         if debug and self.tree_cache.supports_mamba():
             LAST_INTEGRITY.clear()
             LAST_INTEGRITY.update(
@@ -61,6 +63,26 @@ def apply(ctx) -> None:
     cls._orig_process_batch_result_prefill = orig
     cls.process_batch_result_prefill = process_batch_result_prefill
     cls._sglang_kda_patched = True
+
+
+_logged = False
+
+
+def _log_pool_once(tree_cache, nbytes: int, cap: int) -> None:
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    slots = tree_cache.req_to_token_pool.mamba_allocator.size
+    limit = cap or slots
+    logger.info(
+        "sglang_kda checkpoint cache: one KDA state %d bytes; the tree may hold %d states "
+        "(%.1f MiB)%s",
+        nbytes,
+        limit,
+        limit * nbytes / 2**20,
+        "" if cap else " sharing SGLang's state pool with live requests",
+    )
 
 
 def checkpoint_nbytes(tree_cache) -> int:

@@ -46,6 +46,8 @@ class KDAConfig:
         (see sglang_kda/validation.py).
     checkpoint_every: spacing of the KDA checkpoints the kda policy caches while a prefill runs
         (0: the grid ``max(64, page_size)``).
+    checkpoint_pool_size: the most KDA states the radix tree may hold (0: bounded only by
+        SGLang's state pool, ``--max-mamba-cache-size``, which live requests share).
     twins: ``on``: twins (requests sharing an uncached prefix, admitted together) compute it once.
     debug_integrity: ``on``: check tree, state pool and requests after every prefill step.
     """
@@ -54,6 +56,7 @@ class KDAConfig:
     kernel: str = "auto"
     max_n: int = DEFAULT_MAX_N
     checkpoint_every: int = 0
+    checkpoint_pool_size: int = 0
     twins: str = "on"
     debug_integrity: str = "off"
 
@@ -78,6 +81,16 @@ class KDAConfig:
                 f"got {self.checkpoint_every!r}"
             )
         object.__setattr__(self, "checkpoint_every", every)
+        try:
+            pool = int(str(self.checkpoint_pool_size))
+        except ValueError:
+            pool = -1
+        if pool < 0:
+            raise ConfigError(
+                "--kda-checkpoint-pool-size must be a non-negative integer (states; 0 = bounded "
+                f"only by the state pool); got {self.checkpoint_pool_size!r}"
+            )
+        object.__setattr__(self, "checkpoint_pool_size", pool)
         for name in ("twins", "debug_integrity"):
             if getattr(self, name) not in ("on", "off"):
                 flag = "--kda-" + name.replace("_", "-")

@@ -77,6 +77,15 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     group.add_argument(
+        "--kda-checkpoint-pool-size",
+        default="0",
+        help=(
+            "The most KDA states (checkpoints) the radix tree may hold; past it the least "
+            "recently used are evicted. 0 = bounded only by SGLang's state pool "
+            "(--max-mamba-cache-size), shared with live requests. Default: 0."
+        ),
+    )
+    group.add_argument(
         "--kda-twins",
         default="on",
         help=(
@@ -122,13 +131,15 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
             name = a.split("=", 1)[0]
             raise ConfigError(
                 f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
-                "--kda-checkpoint-every, --kda-twins, --kda-debug-integrity)"
+                "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-twins, "
+                "--kda-debug-integrity)"
             )
     config = KDAConfig(
         policy=known.kda_policy,
         kernel=known.kda_kernel,
         max_n=known.kda_max_n,
         checkpoint_every=known.kda_checkpoint_every,
+        checkpoint_pool_size=known.kda_checkpoint_pool_size,
         twins=known.kda_twins,
         debug_integrity=known.kda_debug_integrity,
     )

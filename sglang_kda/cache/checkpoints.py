@@ -201,6 +201,20 @@ def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) ->
     return {"tree_states": len(tree_vals), "live_states": len(live), "slots_in_use": used}
 
 
+def enforce_pool_size(tree_cache, cap: int) -> int:
+    """Evict tree states (least recently used first) down to ``cap`` (0: no own cap); returns
+    how many the tree holds afterwards."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    held = held_states(tree_cache)
+    if cap and held > cap:
+        tree_cache.evict(EvictParams(num_tokens=0, mamba_num=held - cap))
+        after = held_states(tree_cache)
+        STATS.add("checkpoints_evicted", held - after)
+        held = after
+    return held
+
+
 def held_states(tree_cache) -> int:
     try:
         return int(tree_cache.all_mamba_values_flatten().numel())

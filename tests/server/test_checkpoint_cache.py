@@ -193,7 +193,7 @@ def test_metrics_expose_the_cache_counters(server):
         assert name in text, name
 
 
-# --- Twins off, a small state pool: in-flight resume and eviction pressure ------------------
+# --- Twins off, a small state pool and checkpoint cap: in-flight resume, eviction pressure ------------------
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,7 @@ def server_small(tmp_path_factory, tiny_model_dir):
             "--kda-debug-integrity", "on",
             "--chunked-prefill-size", "256",
             "--max-mamba-cache-size", "48",
+            "--kda-checkpoint-pool-size", "20",
         ],
     )  # fmt: skip
     yield srv
@@ -248,11 +249,12 @@ def test_small_state_pool_evicts_and_stays_correct(server_small, ref):
     rng = random.Random(12)
     prompts = [rand_ids(rng, 300) for _ in range(14)]
     flush_cache_until_ok(server_small)
-    for ids in prompts:  # ~4 checkpoints each: more than the 48-slot pool holds
+    for ids in prompts:  # ~5 states each: more than the 20-state cap and the 48-slot pool hold
         gen(server_small, ids)
     for k in (0, 5, 13):  # early ones lost states to eviction, late ones still hit
         out = gen(server_small, prompts[k])
         assert_matches(out, ref(prompts[k]), f"prompt {k} after eviction pressure")
     stats = cache_stats(server_small)
-    assert stats["checkpoints_held"] <= 48
+    assert stats["checkpoints_held"] <= 20
+    assert stats["checkpoints_evicted"] > 0
     wait_until_no_requests(server_small)
