@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import requests
@@ -168,18 +168,27 @@ def _storm_job(server, kind: str, seed: int, prefix: list[int]) -> tuple[str, bo
 
 
 def _abort_all_wave(server, rng: random.Random, prefix: list[int]) -> list[bool]:
-    """Several streams in flight (prefilling and decoding), then one abort_all ends them all."""
+    """Several streams in flight (prefilling and decoding), then ``abort_all`` ends them all."""
     payloads = [_payload(prefix + _ids(rng, CHUNK * 6), 2000, True) for _ in range(2)]
     payloads += [_payload(_ids(rng, 20), 2000, True) for _ in range(3)]
     with ThreadPoolExecutor(len(payloads)) as pool:
         futures = [pool.submit(_stream, server, p) for p in payloads]
-        deadline = time.monotonic() + 60
-        while kda_report(server)["occupancy"]["running_reqs"] == 0:
-            assert time.monotonic() < deadline, "the abort_all wave never started running"
+        deadline = time.monotonic() + 120
+        while True:  # decoding has started and the rest are queued or being prefilled
+            occ = kda_report(server)["occupancy"]
+            held = occ["running_reqs"] + occ["waiting_reqs"]
+            if occ["running_reqs"] and held >= len(payloads) - 1:
+                break
+            assert time.monotonic() < deadline, ("the abort_all wave never got going", occ)
             time.sleep(0.1)
-        r = server.post("/abort_request", {"abort_all": True}, timeout=60)
-        assert r.status_code == 200, r.text
-        lasts = [f.result(timeout=120)[1] for f in futures]
+        # A request not yet handed to the scheduler misses an abort_all, so repeat it until
+        # every stream has ended.
+        while not all(f.done() for f in futures):
+            r = server.post("/abort_request", {"abort_all": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert time.monotonic() < deadline, "abort_all left a stream running"
+            wait(futures, timeout=2)
+        lasts = [f.result()[1] for f in futures]
     return [
         ((last or {}).get("meta_info", {}).get("finish_reason") or {}).get("type") == "abort"
         for last in lasts
