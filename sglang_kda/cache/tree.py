@@ -1,0 +1,368 @@
+"""A plain-Python radix tree of token prefixes carrying KV (always) and KDA checkpoints (some nodes).
+
+In the server the tree is SGLang's ``UnifiedRadixCache`` (Rust core) fed with grid checkpoints by
+:mod:`sglang_kda.cache.checkpoints`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
+model of it that runs without tensors or SGLang; this is it, with the same rules:
+
+* A node holds the KV of its edge (the tokens from its parent's end to its own end); the path
+  root -> node is a cached prefix. A node may also hold a **checkpoint**: the KDA state after the
+  tokens of its whole path. A checkpoint is usable only while the KV of its path is cached, which
+  holds by construction (a checkpoint lives on the node that ends at its position; removing a
+  node's KV removes the node and its checkpoint).
+* :meth:`RadixTree.match`: the deepest node *with a checkpoint* on the prompt's path, at most
+  ``limit`` tokens deep (callers pass ``len(prompt) - 1``: the engine recomputes at least the last
+  prompt token). The KV match (which may go deeper, even mid-edge) is reported separately.
+* :meth:`RadixTree.insert`: caches the KV of a token path and checkpoints at given positions
+  (the caller chooses them: every grid point inside a computed slice plus chunk ends for the
+  ``kda`` policy; chunk ends and the end of a finished request for ``stock``). Inserting splits
+  edges so that a node ends at every checkpoint position.
+* Locks (:meth:`lock` / :meth:`unlock`): a running request locks the node it resumed from. A lock
+  protects the KV of the whole path root -> node and the checkpoint of the node itself (SGLang
+  locks the FULL component along the path, the MAMBA component on the node only).
+* Eviction (:meth:`evict`): least recently used first; checkpoint pressure drops checkpoints
+  only (never KV), KV pressure drops unlocked leaves (with their checkpoints). ``max_checkpoints``
+  caps the checkpoints held (``--kda-checkpoint-pool-size``): an insert past the cap evicts LRU
+  checkpoints; ``max_tokens`` caps the KV tokens held.
+* :meth:`integrity`: walks the tree; see its docstring.
+
+Recency is a logical clock (one tick per operation), so runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+
+class TreeIntegrityError(AssertionError):
+    pass
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple = ()
+    parent: Optional["Node"] = None
+    children: dict = field(default_factory=dict)
+    depth: int = 0  # tokens on the path root -> end of this node
+    checkpoint: bool = False
+    lock_own: int = 0  # locks taken on this very node
+    lock_path: int = 0  # locks on this node and its descendants (protects this node's KV)
+    last_access: int = 0
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
+
+
+@dataclass(frozen=True)
+class Match:
+    """Result of :meth:`RadixTree.match`.
+
+    node / length: the deepest node with a checkpoint within the limit, and its depth (root, 0
+        when none).
+    kv_length: tokens of the prompt whose KV is cached (may end mid-edge, >= ``length``).
+    """
+
+    node: Node
+    length: int
+    kv_length: int
+
+
+@dataclass
+class TreeStats:
+    checkpoints_inserted: int = 0
+    checkpoints_evicted: int = 0
+    tokens_evicted: int = 0
+    nodes_evicted: int = 0
+
+
+class RadixTree:
+    """See the module docstring.
+
+    max_checkpoints: cap on checkpoints held (``None``: unbounded).
+    max_tokens: cap on KV tokens held (``None``: unbounded).
+    """
+
+    def __init__(self, max_checkpoints: int | None = None, max_tokens: int | None = None):
+        if max_checkpoints is not None and max_checkpoints < 0:
+            raise ValueError("max_checkpoints must be >= 0")
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        self.root = Node()
+        self.max_checkpoints = max_checkpoints
+        self.max_tokens = max_tokens
+        self.n_checkpoints = 0
+        self.n_tokens = 0
+        self.clock = 0
+        self.stats = TreeStats()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def _touch(self, node: Node, t: int) -> None:
+        while node is not None:
+            node.last_access = t
+            node = node.parent
+
+    @staticmethod
+    def _common(key: tuple, ids: Sequence[int], start: int) -> int:
+        n = min(len(key), len(ids) - start)
+        i = 0
+        while i < n and key[i] == ids[start + i]:
+            i += 1
+        return i
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Split ``node``'s edge after ``at`` tokens; returns the new upper node."""
+        assert 0 < at < len(node.key)
+        parent = node.parent
+        upper = Node(
+            key=node.key[:at],
+            parent=parent,
+            depth=node.depth - len(node.key) + at,
+            lock_path=node.lock_path,
+            last_access=node.last_access,
+        )
+        parent.children[upper.key[0]] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    # -- queries ------------------------------------------------------------------------------
+    def match(self, ids: Sequence[int], limit: int | None = None) -> Match:
+        """Deepest checkpointed node on ``ids``' path at most ``limit`` tokens deep.
+
+        ``limit`` defaults to ``len(ids) - 1``. Touches the matched path (recency).
+        """
+        limit = len(ids) - 1 if limit is None else min(limit, len(ids))
+        node, pos = self.root, 0
+        best = self.root
+        kv = 0
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = self._common(child.key, ids, pos)
+            kv = pos + n
+            if n < len(child.key):
+                break
+            node, pos = child, pos + n
+            if node.checkpoint and node.depth <= limit:
+                best = node
+        self._touch(best, self._tick())
+        return Match(best, best.depth, kv)
+
+    def path_ids(self, node: Node) -> tuple:
+        parts = []
+        while node is not None and node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def nodes(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def checkpoint_positions(self, ids: Sequence[int]) -> list[int]:
+        """Depths of the checkpoints on ``ids``' path (fully matched nodes only)."""
+        node, pos, out = self.root, 0, []
+        while pos < len(ids):
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = self._common(child.key, ids, pos)
+            if n < len(child.key):
+                break
+            node, pos = child, pos + n
+            if node.checkpoint:
+                out.append(node.depth)
+        return out
+
+    # -- updates ------------------------------------------------------------------------------
+    def insert(self, ids: Sequence[int], checkpoints: Iterable[int] = ()) -> int:
+        """Cache the KV of ``ids`` and checkpoints at the given positions (``0 < p <= len``).
+
+        Returns how many checkpoints were new. Enforces the caps afterwards (LRU: what was just
+        inserted is the most recent, evicted only when nothing older can go).
+        """
+        ids = tuple(ids)
+        marks = sorted({int(p) for p in checkpoints if 0 < int(p) <= len(ids)})
+        t = self._tick()
+        node, pos = self.root, 0
+        new = 0
+        mi = 0
+        while pos < len(ids):
+            # The end of this step: the next checkpoint mark or the end of the ids.
+            while mi < len(marks) and marks[mi] <= pos:
+                mi += 1
+            child = node.children.get(ids[pos])
+            if child is None:
+                stop = marks[mi] if mi < len(marks) else len(ids)
+                child = Node(key=ids[pos:stop], parent=node, depth=stop, last_access=t)
+                node.children[ids[pos]] = child
+                self.n_tokens += stop - pos
+            else:
+                n = self._common(child.key, ids, pos)
+                stop_mark = marks[mi] - pos if mi < len(marks) else None
+                if stop_mark is not None and stop_mark < n:
+                    n = stop_mark
+                if n < len(child.key):
+                    child = self._split(child, n)
+            child.last_access = t
+            node, pos = child, child.depth
+            if mi < len(marks) and marks[mi] == pos and not node.checkpoint:
+                node.checkpoint = True
+                self.n_checkpoints += 1
+                new += 1
+        self._touch(node, t)
+        self.stats.checkpoints_inserted += new
+        self._enforce_caps()  # LRU: what was just inserted goes last
+        return new
+
+    def lock(self, node: Node) -> Node:
+        node.lock_own += 1
+        n = node
+        while n is not None:
+            n.lock_path += 1
+            n = n.parent
+        return node
+
+    def unlock(self, node: Node) -> None:
+        if node.lock_own <= 0:
+            raise TreeIntegrityError("unlock of a node that is not locked")
+        node.lock_own -= 1
+        n = node
+        while n is not None:
+            n.lock_path -= 1
+            n = n.parent
+
+    def _enforce_caps(self) -> None:
+        if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
+            self.evict(checkpoints=self.n_checkpoints - self.max_checkpoints)
+        if self.max_tokens is not None and self.n_tokens > self.max_tokens:
+            self.evict(tokens=self.n_tokens - self.max_tokens)
+
+    def evict(self, checkpoints: int = 0, tokens: int = 0) -> tuple[int, int]:
+        """Evict at least ``checkpoints`` checkpoints and ``tokens`` KV tokens, LRU first.
+
+        Checkpoint pressure evicts checkpoints only (their KV stays, for other requests' KV
+        matches); KV pressure evicts least recently used unlocked leaves, each taking its
+        checkpoint with it (a state is never kept without its KV). Returns
+        ``(checkpoints evicted, tokens evicted)``; less than asked when everything left is
+        locked.
+        """
+        done_c = done_t = 0
+        if checkpoints > 0:
+            cands = [
+                (n.last_access, id(n), n)
+                for n in self.nodes()
+                if n.checkpoint and n.lock_own == 0
+            ]
+            heapq.heapify(cands)
+            while cands and done_c < checkpoints:
+                _, _, n = heapq.heappop(cands)
+                n.checkpoint = False
+                self.n_checkpoints -= 1
+                done_c += 1
+        if tokens > 0:
+            leaves = [
+                (n.last_access, id(n), n)
+                for n in self.nodes()
+                if n is not self.root and not n.children and n.lock_path == 0
+            ]
+            heapq.heapify(leaves)
+            while leaves and done_t < tokens:
+                _, _, n = heapq.heappop(leaves)
+                parent = n.parent
+                del parent.children[n.key[0]]
+                n.parent = None
+                self.n_tokens -= len(n.key)
+                done_t += len(n.key)
+                self.stats.nodes_evicted += 1
+                if n.checkpoint:
+                    self.n_checkpoints -= 1
+                    done_c += 1
+                if parent is not self.root and not parent.children and parent.lock_path == 0:
+                    heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+        self.stats.checkpoints_evicted += done_c
+        self.stats.tokens_evicted += done_t
+        return done_c, done_t
+
+    def reset(self) -> None:
+        """Drop everything (``/flush_cache``); refused while locks are held."""
+        if self.root.lock_path:
+            raise TreeIntegrityError("reset while locks are held")
+        self.root = Node()
+        self.n_checkpoints = self.n_tokens = 0
+
+    # -- integrity ----------------------------------------------------------------------------
+    def integrity(self, expected_locks: int | None = None) -> dict:
+        """Walk the tree and check it; raises :class:`TreeIntegrityError` on the first fault.
+
+        - every child is filed under its key's first token, points back to its parent, has a
+          non-empty key and ``depth = parent depth + len(key)``; no node is reachable twice;
+        - lock counts: ``lock_path = lock_own + sum(children's lock_path)``, never negative;
+          with ``expected_locks``, the root's ``lock_path`` equals it (one per running request);
+        - the token and checkpoint counters equal what the walk finds; the root has no
+          checkpoint (a state after zero tokens is the zero state, never cached);
+        - the caps hold, unless locked nodes keep the tree over them.
+        Returns the figures walked.
+        """
+        seen: set[int] = set()
+        tokens = ckpts = nodes = 0
+
+        def fail(msg: str):
+            raise TreeIntegrityError(msg)
+
+        if self.root.checkpoint or self.root.key or self.root.parent is not None:
+            fail("root carries a key, a parent or a checkpoint")
+        stack = [self.root]
+        order = []
+        while stack:
+            n = stack.pop()
+            if id(n) in seen:
+                fail("node reachable twice")
+            seen.add(id(n))
+            order.append(n)
+            nodes += 1
+            if n.lock_own < 0 or n.lock_path < 0:
+                fail("negative lock count")
+            for first, c in n.children.items():
+                if not c.key:
+                    fail("empty edge")
+                if c.key[0] != first:
+                    fail("child filed under the wrong token")
+                if c.parent is not n:
+                    fail("child's parent pointer is wrong")
+                if c.depth != n.depth + len(c.key):
+                    fail(f"depth {c.depth} != {n.depth} + {len(c.key)}")
+                tokens += len(c.key)
+                ckpts += c.checkpoint
+                stack.append(c)
+        for n in order:
+            want = n.lock_own + sum(c.lock_path for c in n.children.values())
+            if n.lock_path != want:
+                fail(f"lock_path {n.lock_path} != own {n.lock_own} + children")
+        if tokens != self.n_tokens:
+            fail(f"token counter {self.n_tokens} != {tokens} walked")
+        if ckpts != self.n_checkpoints:
+            fail(f"checkpoint counter {self.n_checkpoints} != {ckpts} walked")
+        if expected_locks is not None and self.root.lock_path != expected_locks:
+            fail(f"{self.root.lock_path} locks held, expected {expected_locks}")
+        if self.max_checkpoints is not None and ckpts > self.max_checkpoints:
+            locked = sum(1 for n in order if n.checkpoint and n.lock_own)
+            if ckpts - locked > self.max_checkpoints:
+                fail(f"{ckpts} checkpoints over the cap {self.max_checkpoints}")
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            locked = sum(len(n.key) for n in order if n.lock_path and n is not self.root)
+            if tokens - locked > self.max_tokens:
+                fail(f"{tokens} KV tokens over the cap {self.max_tokens}")
+        return {"nodes": nodes, "tokens": tokens, "checkpoints": ckpts,
+                "locks": self.root.lock_path}  # fmt: skip
