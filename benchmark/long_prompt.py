@@ -426,18 +426,19 @@ def main() -> int:
     shapes = model_shapes(model_dir)
     kda = time_kda(args.chunks, shapes)
     chunks, prompts, rss = [], [], []
+    tag = f"_{args.tag}" if args.tag else ""
     for policy in args.policies:
         for chunk in args.chunks:
             c, p, r = run_server_case(args, model_dir, policy, chunk, shapes, out)
             chunks += c
             prompts += p
             rss += r
+            # Written after every server, so an interrupted run keeps what it measured.
+            write_csv(out / f"chunks{tag}.csv", chunks)
+            write_csv(out / f"prompts{tag}.csv", prompts)
+            write_csv(out / f"rss{tag}.csv", rss)
+            write_csv(out / f"kda{tag}.csv", kda)
     fits = all_fits(chunks)
-    tag = f"_{args.tag}" if args.tag else ""
-    write_csv(out / f"chunks{tag}.csv", chunks)
-    write_csv(out / f"prompts{tag}.csv", prompts)
-    write_csv(out / f"rss{tag}.csv", rss)
-    write_csv(out / f"kda{tag}.csv", kda)
     write_csv(out / f"fits{tag}.csv", fits)
     plot_path_tag = out / (f"long_prompt{tag}.png")
     plot(out, chunks, prompts, rss, kda)
