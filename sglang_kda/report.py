@@ -53,6 +53,19 @@ def rank_placement() -> dict:
     return placement
 
 
+def threads() -> dict:
+    """The compute threads of this process and the cores it may run on (several CPU ranks share
+    a machine: without AMX, SGLang does not pin a rank to its ``SGLANG_CPU_OMP_THREADS_BIND``
+    cores)."""
+    import torch
+
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        affinity = None
+    return {"torch_threads": torch.get_num_threads(), "cpu_affinity": affinity}
+
+
 def scheduler_report(ctx, scheduler=None) -> dict:
     """The report of the calling scheduler process itself (one rank)."""
     from sglang_kda import patches
@@ -65,6 +78,8 @@ def scheduler_report(ctx, scheduler=None) -> dict:
         "cpu_engine": ctx.cpu_engine,
         "patches": patches.applied(),
     }
+    if ctx.cpu_engine:
+        report["threads"] = threads()
     if scheduler is not None:
         report["occupancy"] = occupancy(scheduler)
     if "schedule_policy" in report["patches"]:

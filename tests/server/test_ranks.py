@@ -61,6 +61,8 @@ def test_every_rank_reports_kda_and_the_patches(ranked):
     for r in reports:
         assert r["policy"] == "kda" and r["cpu_engine"] is True, r
         assert LIVE_PATCHES <= set(r["patches"]), r["patches"]
+        assert r["threads"]["torch_threads"] >= 1, r["threads"]
+    print(name, [(r["tp_rank"], r["dp_rank"], r["pid"], r["threads"]) for r in reports])
     if name == "tp2":
         assert len(info["internal_states"]) == 1  # TP rank 0 answers for its group
         assert sorted(r["tp_rank"] for r in reports) == [0, 1]
