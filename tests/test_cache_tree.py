@@ -48,7 +48,7 @@ def test_checkpoint_cap_evicts_lru_checkpoints_only():
     t.insert([1] * 10, [5, 10])
     t.insert([2] * 10, [10])
     assert t.n_checkpoints == 2 and t.n_tokens == 20  # KV stays
-    assert t.checkpoint_positions([1] * 10) == [10]  # the oldest (5) went
+    assert t.checkpoint_positions([1] * 10) == [5]  # the oldest, deepest first (10) went
     t.integrity()
 
 
@@ -80,8 +80,12 @@ def test_unlock_unlocked_raises():
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), st.integers(0, 5), st.integers(1, 80),
-                  st.lists(st.integers(1, 80), max_size=4)),  # fmt: skip
+        st.tuples(
+            st.just("insert"),
+            st.integers(0, 5),
+            st.integers(1, 80),
+            st.lists(st.integers(1, 80), max_size=4),
+        ),  # fmt: skip
         st.tuples(st.just("match_lock"), st.integers(0, 5), st.integers(1, 80)),
         st.tuples(st.just("unlock"), st.integers(0, 20)),
         st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 40)),

@@ -1,4 +1,4 @@
-"""A plain-Python radix tree of token prefixes carrying KV (always) and KDA checkpoints (some nodes).
+"""A plain-Python radix tree of token prefixes with KV on every node and KDA checkpoints on some.
 
 In the server the tree is SGLang's ``UnifiedRadixCache`` (Rust core) fed with grid checkpoints by
 :mod:`sglang_kda.cache.checkpoints`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
@@ -19,7 +19,8 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
 * Locks (:meth:`lock` / :meth:`unlock`): a running request locks the node it resumed from. A lock
   protects the KV of the whole path root -> node and the checkpoint of the node itself (SGLang
   locks the FULL component along the path, the MAMBA component on the node only).
-* Eviction (:meth:`evict`): least recently used first; checkpoint pressure drops checkpoints
+* Eviction (:meth:`evict`): least recently used first (ties: deepest first, as leaves go
+  before their ancestors); checkpoint pressure drops checkpoints
   only (never KV), KV pressure drops unlocked leaves (with their checkpoints). ``max_checkpoints``
   caps the checkpoints held (``--kda-checkpoint-pool-size``): an insert past the cap evicts LRU
   checkpoints; ``max_tokens`` caps the KV tokens held.
@@ -49,6 +50,7 @@ class Node:
     lock_own: int = 0  # locks taken on this very node
     lock_path: int = 0  # locks on this node and its descendants (protects this node's KV)
     last_access: int = 0
+    serial: int = 0  # creation order: a deterministic tie-break
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -94,6 +96,7 @@ class RadixTree:
         self.n_checkpoints = 0
         self.n_tokens = 0
         self.clock = 0
+        self._serial = 0
         self.stats = TreeStats()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -118,7 +121,9 @@ class RadixTree:
         """Split ``node``'s edge after ``at`` tokens; returns the new upper node."""
         assert 0 < at < len(node.key)
         parent = node.parent
+        self._serial += 1
         upper = Node(
+            serial=self._serial,
             key=node.key[:at],
             parent=parent,
             depth=node.depth - len(node.key) + at,
@@ -205,7 +210,8 @@ class RadixTree:
             child = node.children.get(ids[pos])
             if child is None:
                 stop = marks[mi] if mi < len(marks) else len(ids)
-                child = Node(key=ids[pos:stop], parent=node, depth=stop, last_access=t)
+                self._serial += 1
+                child = Node(ids[pos:stop], node, depth=stop, last_access=t, serial=self._serial)
                 node.children[ids[pos]] = child
                 self.n_tokens += stop - pos
             else:
@@ -261,25 +267,25 @@ class RadixTree:
         done_c = done_t = 0
         if checkpoints > 0:
             cands = [
-                (n.last_access, id(n), n)
+                (n.last_access, -n.depth, n.serial, n)
                 for n in self.nodes()
                 if n.checkpoint and n.lock_own == 0
             ]
             heapq.heapify(cands)
             while cands and done_c < checkpoints:
-                _, _, n = heapq.heappop(cands)
+                _, _, _, n = heapq.heappop(cands)
                 n.checkpoint = False
                 self.n_checkpoints -= 1
                 done_c += 1
         if tokens > 0:
             leaves = [
-                (n.last_access, id(n), n)
+                (n.last_access, -n.depth, n.serial, n)
                 for n in self.nodes()
                 if n is not self.root and not n.children and n.lock_path == 0
             ]
             heapq.heapify(leaves)
             while leaves and done_t < tokens:
-                _, _, n = heapq.heappop(leaves)
+                _, _, _, n = heapq.heappop(leaves)
                 parent = n.parent
                 del parent.children[n.key[0]]
                 n.parent = None
@@ -290,7 +296,9 @@ class RadixTree:
                     self.n_checkpoints -= 1
                     done_c += 1
                 if parent is not self.root and not parent.children and parent.lock_path == 0:
-                    heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+                    heapq.heappush(
+                        leaves, (parent.last_access, -parent.depth, parent.serial, parent)
+                    )
         self.stats.checkpoints_evicted += done_c
         self.stats.tokens_evicted += done_t
         return done_c, done_t

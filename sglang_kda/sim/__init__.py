@@ -1,0 +1,9 @@
+"""Discrete-event simulator of the sglang_kda scheduler (see docs/simulator.md).
+
+- :mod:`sglang_kda.sim.trace`: the JSONL trace format and workload generators;
+- :mod:`sglang_kda.sim.costs`: cost models (CPU calibrated; Kimi-Linear-48B-A3B on H200);
+- :mod:`sglang_kda.sim.engine`: the round loop of one scheduler, DP ranks, routers;
+- :mod:`sglang_kda.sim.metrics`: summaries.
+"""
+
+from sglang_kda.sim.engine import SimConfig, simulate  # noqa: F401

@@ -1,0 +1,503 @@
+"""Discrete-event simulator of SGLang's scheduler round loop, N data-parallel ranks, a router.
+
+What runs is the project's own policy code; what is replaced is only the model forward (a cost
+model, :mod:`sglang_kda.sim.costs`) and the clock:
+
+* cuts: :func:`sglang_kda.policy.grid.aligned_chunk_len` (``kda``) or SGLang's page-aligned
+  truncation (``stock``);
+* twins: :func:`sglang_kda.policy.admission.twin_gain` (``kda``, ``twins=True``);
+* the cache: :class:`sglang_kda.cache.tree.RadixTree` (match = deepest checkpoint at most
+  ``len - 1`` deep, locks, LRU eviction, checkpoint cap);
+* the serial-aware budget and deadlines: :func:`sglang_kda.policy.budget.plan_round` and
+  :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set).
+
+A round (:meth:`Rank.step`) is built as SGLang's ``get_new_batch_prefill`` builds it (non-overlap
+scheduler): the in-flight chunked request first (``kda``: it first re-matches the tree and jumps
+to a deeper checkpoint cached meanwhile), then waiting requests in arrival order (FCFS) while the
+round's chunk budget (``chunked_prefill_size``), input budget (``max_prefill_tokens``) and
+``max_running_requests`` allow; the request that does not fit is cut and becomes the round's one
+unfinished chunked request, and the round admits nothing more. A round with prefill runs prefill
+only (decode waits), unless ``enable_mixed_chunk`` (stock) or the budget's plan mixes decode in;
+a round without prefill is one decode step of every running request. After a round:
+
+* ``kda``: checkpoints at every grid point (``checkpoint_every``) inside each computed slice,
+  plus the chunk end of a request that goes on (SGLang's chunk-end stash);
+* ``stock``: the chunk end of a request that goes on;
+* both: a finished request inserts prompt + output (less the last sampled token) with a
+  checkpoint at its end, and releases its lock.
+
+Time: each rank has its own clock; a round takes ``cost.predict(shape)`` seconds. The first
+output token of a request is sampled at the end of the round that finishes its prompt; each
+decode step then adds one token to every running request. Events are processed in time order
+(arrivals before a rank's round that starts at the same instant); ties between ranks go to the
+lower rank id, so a run is a pure function of (trace, config, cost model).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from sglang_kda.cache.tree import RadixTree
+
+# Policy modules are called through their module objects, so the simulator always runs what
+# the modules hold (a test that changes a policy function sees the change in simulated results).
+from sglang_kda.policy import admission as admission_mod
+from sglang_kda.policy import budget as budget_mod
+from sglang_kda.policy import grid as grid_mod
+from sglang_kda.policy.admission import Leader
+from sglang_kda.policy.cost_model import BatchShape, Slice
+from sglang_kda.sim.trace import Trace
+
+POLICIES = ("stock", "kda")
+
+
+@dataclass
+class SimConfig:
+    """One rank's scheduler settings (the server flags they stand for in brackets).
+
+    policy: ``stock`` or ``kda`` (``--kda-policy``).
+    chunked_prefill_size: the chunk budget of a round (``--chunked-prefill-size``).
+    max_prefill_tokens: the input-token budget of a round (``--max-prefill-tokens``).
+    page_size: KV page (``--page-size``); the grid is ``max(64, page_size)``.
+    max_running_requests: (``--max-running-requests``).
+    checkpoint_every: ``kda`` checkpoint spacing, a multiple of the grid (0: the grid)
+        (``--kda-checkpoint-every``).
+    twins: ``kda`` twins rule (``--kda-twins``).
+    resume_in_flight: ``kda`` in-flight resume.
+    aligned_cuts: cut on the grid (``None``: the policy's default: kda yes, stock no).
+    enable_mixed_chunk: stock: decode rides along every prefill round (``--enable-mixed-chunk``).
+    budget: ``kda`` serial-aware budget (``None``: token budget as above).
+    max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
+    ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
+        tokenizer); counted in its TTFT.
+    integrity: run the tree's integrity check after every round.
+    """
+
+    policy: str = "kda"
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    page_size: int = 1
+    max_running_requests: int = 256
+    checkpoint_every: int = 0
+    twins: bool = True
+    resume_in_flight: bool = True
+    aligned_cuts: Optional[bool] = None
+    enable_mixed_chunk: bool = False
+    budget: Optional[budget_mod.BudgetConfig] = None
+    max_checkpoints: Optional[int] = None
+    max_tokens: Optional[int] = None
+    ingress_s: float = 0.0
+    integrity: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}")
+        self.grid = grid_mod.checkpoint_grid(self.page_size)
+        if self.checkpoint_every and self.checkpoint_every % self.grid:
+            raise ValueError("checkpoint_every must be a multiple of the grid")
+        if self.aligned_cuts is None:
+            self.aligned_cuts = self.policy == "kda"
+
+    @property
+    def kda(self) -> bool:
+        return self.policy == "kda"
+
+
+@dataclass
+class SimReq:
+    rid: str
+    ids: tuple
+    out: int
+    arrival: float
+    deadline_s: Optional[float] = None
+    rank: int = -1
+    enqueued: float = math.nan
+    prefix: int = 0  # prompt tokens done (cached or computed)
+    computed: int = 0  # prefill tokens computed
+    cached_admission: int = 0
+    cached_midprefill: int = 0
+    kv_recomputed: int = 0  # tokens whose KV was cached at admission but recomputed (no state)
+    node: object = None  # the tree node this request locks
+    generated: int = 0
+    token_times: list = field(default_factory=list)
+    finish: float = math.nan
+    state: str = "pending"  # pending, waiting, prefill, decode, done
+    rounds: int = 0  # prefill rounds taken
+
+    @property
+    def cached(self) -> int:
+        return self.cached_admission + self.cached_midprefill
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival if self.token_times else math.nan
+
+    @property
+    def itls(self) -> list:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def ctx(self) -> int:
+        return len(self.ids) + self.generated
+
+
+@dataclass
+class RoundRecord:
+    rank: int
+    start: float
+    end: float
+    n_decode: int
+    slices: tuple  # ((rid, prefix, extend), ...)
+    mode: str = ""
+
+
+class Rank:
+    """One scheduler (one DP rank)."""
+
+    def __init__(self, cfg: SimConfig, cost, rank_id: int = 0, record: bool = False):
+        self.cfg = cfg
+        self.cost = cost
+        self.id = rank_id
+        self.tree = RadixTree(cfg.max_checkpoints, cfg.max_tokens)
+        self.waiting: list[SimReq] = []
+        self.running: list[SimReq] = []  # decoding
+        self.chunked: Optional[SimReq] = None
+        self.now = 0.0
+        self.rounds: list[RoundRecord] = [] if record else None
+        self.n_rounds = 0
+        self.book = budget_mod.DeadlineBook(cfg.budget) if cfg.kda and cfg.budget else None
+        self.infeasible: list[str] = []
+        self.twin_waits = 0
+        self.out_counter = 0
+        self.on_finish: Callable[[SimReq], None] = lambda r: None
+
+    # -- queue --------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running) + (self.chunked is not None)
+
+    def enqueue(self, r: SimReq, t: float) -> None:
+        if not self.busy:
+            self.now = max(self.now, t)
+        r.rank, r.enqueued, r.state = self.id, t, "waiting"
+        self.waiting.append(r)
+        if self.book is not None:
+            _, infeasible = self.book.admit(
+                self.cost, r.rid, t, len(r.ids), 0, r.deadline_s, arrival=r.arrival
+            )
+            if infeasible:
+                self.infeasible.append(r.rid)
+
+    # -- cuts ---------------------------------------------------------------------------------
+    def _cut(self, prefix: int, budget: int, remaining: int) -> int:
+        cfg = self.cfg
+        if cfg.aligned_cuts:
+            return grid_mod.aligned_chunk_len(prefix, budget, remaining, cfg.grid)
+        take = min(budget, remaining)
+        if take < remaining and cfg.page_size > 1:  # SGLang: page-aligned truncation
+            take = max(cfg.page_size, take // cfg.page_size * cfg.page_size)
+        return take
+
+    def _limit(self, r: SimReq) -> int:
+        return len(r.ids) - 1
+
+    def _relock(self, r: SimReq, node) -> None:
+        self.tree.lock(node)
+        if r.node is not None:
+            self.tree.unlock(r.node)
+        r.node = node
+
+    # -- one round ----------------------------------------------------------------------------
+    def step(self) -> float:
+        """Run one round starting at ``self.now``; returns its duration (0: nothing to do)."""
+        cfg = self.cfg
+        decode_ctx = [r.ctx for r in self.running]
+        chunk_budget = cfg.chunked_prefill_size
+        mix = cfg.enable_mixed_chunk and not cfg.kda
+        mode = ""
+        if self.book is not None:
+            pending = [self.chunked] if self.chunked else []
+            pending += self.waiting
+            for r in pending:
+                self.book.progress(r.rid, r.prefix)
+            plan = budget_mod.plan_round(
+                self.cost, cfg.budget, self.now, decode_ctx,
+                self.book.pending([r.rid for r in pending]),
+                inflight=self.chunked.rid if self.chunked else None,
+            )  # fmt: skip
+            mode = plan.mode
+            if plan.rid is not None:
+                chunk_budget = max(1, plan.tokens)
+                mix = plan.mix_decode
+                if self.chunked is None:  # the plan's prefill first (EDF among those at risk)
+                    i = next((k for k, r in enumerate(self.waiting) if r.rid == plan.rid), None)
+                    if i:
+                        self.waiting.insert(0, self.waiting.pop(i))
+        if mix and decode_ctx:
+            chunk_budget = max(1, chunk_budget - (len(decode_ctx) if not cfg.kda else 0))
+
+        slices: list[tuple[SimReq, int, int]] = []  # (req, start, end)
+        rem_chunk = chunk_budget
+        rem_input = cfg.max_prefill_tokens - (len(decode_ctx) if mix else 0)
+        closed = False
+        n_run = len(self.running)
+        if self.chunked is not None:
+            r = self.chunked
+            if cfg.kda and cfg.resume_in_flight:
+                m = self.tree.match(r.ids, self._limit(r))
+                if m.length > r.prefix:
+                    r.cached_midprefill += m.length - r.prefix
+                    r.prefix = m.length
+                    self._relock(r, m.node)
+            remaining = len(r.ids) - r.prefix
+            take = self._cut(r.prefix, max(1, rem_chunk), remaining)
+            slices.append((r, r.prefix, r.prefix + take))
+            rem_chunk -= take
+            rem_input -= take
+            n_run += 1
+            if take < remaining:
+                closed = True
+        leaders: list[Leader] = [Leader(r.ids, s, e) for r, s, e in slices]
+        admitted: list[SimReq] = []
+        while self.waiting and not closed:
+            if rem_chunk <= 0 or n_run >= cfg.max_running_requests:
+                break
+            r = self.waiting[0]
+            m = self.tree.match(r.ids, self._limit(r))
+            if cfg.kda and cfg.twins and leaders:
+                if admission_mod.twin_gain(r.ids, m.length, self._limit(r), leaders, cfg.grid):
+                    self.twin_waits += 1
+                    break
+            extend = len(r.ids) - m.length
+            if extend > rem_input and slices:
+                break
+            self.waiting.pop(0)
+            admitted.append(r)
+            r.prefix = m.length
+            r.cached_admission = m.length
+            r.kv_recomputed = m.kv_length - m.length
+            r.state = "prefill"
+            self._relock(r, m.node)
+            take = self._cut(r.prefix, rem_chunk, extend) if extend > rem_chunk else extend
+            slices.append((r, r.prefix, r.prefix + take))
+            leaders.append(Leader(r.ids, r.prefix, r.prefix + take))
+            rem_chunk -= take
+            rem_input -= take
+            n_run += 1
+            if take < extend:
+                closed = True
+
+        if not slices and not self.running:
+            return 0.0
+        run_decode = not slices or mix
+        dec = list(self.running) if run_decode else []
+        shape = BatchShape(tuple(r.ctx for r in dec), tuple(Slice(s, e - s) for _, s, e in slices))
+        dt = self.cost.predict(shape)
+        if dt <= 0:
+            raise RuntimeError("cost model predicted a non-positive round time")
+        start, end = self.now, self.now + dt
+        self.now = end
+        self.n_rounds += 1
+        if self.rounds is not None:
+            self.rounds.append(
+                RoundRecord(
+                    self.id,
+                    start,
+                    end,
+                    len(dec),
+                    tuple((r.rid, s, e - s) for r, s, e in slices),
+                    mode,
+                )  # fmt: skip
+            )
+
+        # -- after the forward ----------------------------------------------------------------
+        self.chunked = None
+        for r, s, e in slices:
+            r.computed += e - s
+            r.prefix = e
+            r.rounds += 1
+            unfinished = e < len(r.ids)
+            marks = []
+            if cfg.kda:
+                every = cfg.checkpoint_every or cfg.grid
+                first = (s // every + 1) * every
+                marks = list(range(first, e + 1, every))
+            if unfinished:
+                marks.append(e)  # SGLang's chunk-end stash
+            if marks:
+                self.tree.insert(r.ids[:e], marks)
+            if unfinished:
+                node = self.tree.match(r.ids[: e + 1], e).node
+                if node.depth == e:
+                    self._relock(r, node)
+                self.chunked = r
+            else:
+                if self.book is not None:
+                    self.book.finish(r.rid, end)
+                r.state = "decode"
+                self._emit(r, end)
+        for r in dec:
+            self._emit(r, end)
+        # Requests that finished prefill this round join the running batch (order kept).
+        self.running = [r for r in self.running if r.state == "decode"]
+        for r, _, _ in slices:
+            if r.state == "decode" and r not in self.running:
+                self.running.append(r)
+        if cfg.integrity:
+            self.tree.integrity(expected_locks=self._held_locks())
+        return dt
+
+    def _emit(self, r: SimReq, t: float) -> None:
+        r.generated += 1
+        r.token_times.append(t)
+        if r.generated >= r.out:
+            self._finish(r, t)
+
+    def _finish(self, r: SimReq, t: float) -> None:
+        r.state = "done"
+        r.finish = t
+        # prompt + output less the last sampled token (never fed back), state at its end.
+        outs = tuple(-(self.id * 10**12 + self.out_counter + k) - 1 for k in range(r.out - 1))
+        self.out_counter += r.out
+        path = r.ids + outs
+        self.tree.insert(path, [len(path)])
+        if r.node is not None:
+            self.tree.unlock(r.node)
+            r.node = None
+        self.on_finish(r)
+
+    def _held_locks(self) -> int:
+        reqs = list(self.running) + ([self.chunked] if self.chunked else [])
+        return sum(1 for r in reqs if r.node is not None)
+
+
+# -- routers -------------------------------------------------------------------------------------
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self.i = 0
+
+    def pick(self, ranks: Sequence[Rank], r: SimReq) -> Rank:
+        rank = ranks[self.i % len(ranks)]
+        self.i += 1
+        return rank
+
+
+class PrefixAware:
+    """The rank whose tree holds the longest KV prefix of the prompt (SGLang router's cache-aware
+    policy, approximated), ties to the least loaded; below ``min_match`` tokens, least loaded."""
+
+    def __init__(self, min_match: int = 256) -> None:
+        self.min_match = min_match
+
+    def pick(self, ranks: Sequence[Rank], r: SimReq) -> Rank:
+        best, best_key = None, None
+        for rank in ranks:
+            kv = rank.tree.match(r.ids, len(r.ids) - 1).kv_length
+            kv = kv if kv >= self.min_match else 0
+            key = (-kv, rank.load(), rank.id)
+            if best_key is None or key < best_key:
+                best, best_key = rank, key
+        return best
+
+
+ROUTERS = {"round_robin": RoundRobin, "prefix": PrefixAware}
+
+
+# -- the event loop ------------------------------------------------------------------------------
+
+
+@dataclass
+class SimResult:
+    requests: list[SimReq]
+    ranks: list[Rank]
+    end_time: float
+    unfinished: list[SimReq]
+
+    @property
+    def finished(self) -> list[SimReq]:
+        return [r for r in self.requests if r.state == "done"]
+
+
+def simulate(
+    trace: Trace,
+    cfg: SimConfig,
+    cost,
+    dp: int = 1,
+    router: str = "round_robin",
+    horizon_s: float = math.inf,
+    record_rounds: bool = False,
+    max_rounds: int = 10_000_000,
+) -> SimResult:
+    """Run ``trace`` on ``dp`` ranks with ``cfg`` and the cost model ``cost``.
+
+    Every request ends up finished or in ``unfinished`` (still waiting or running at the
+    horizon, or never released because the request it comes after did not finish).
+    """
+    trace.validate()
+    ranks = [Rank(cfg, cost, i, record_rounds) for i in range(dp)]
+    route = ROUTERS[router]()
+    reqs = {
+        tr.id: SimReq(tr.id, trace.prompt(tr), tr.out, math.nan, tr.deadline_s)
+        for tr in trace.requests
+    }
+    children: dict[str, list] = {}
+    heap: list = []  # (time, seq, rid, kind): kind 0 arrival, 1 enters the scheduler
+    seq = 0
+    for tr in trace.requests:
+        if tr.after is None:
+            heap.append((tr.t, seq, tr.id, 0))
+            seq += 1
+        else:
+            children.setdefault(tr.after, []).append(tr)
+    heapq.heapify(heap)
+
+    def released(r: SimReq) -> None:
+        nonlocal seq
+        for tr in children.get(r.rid, ()):
+            heapq.heappush(heap, (r.finish + tr.delay, seq, tr.id, 0))
+            seq += 1
+
+    for rank in ranks:
+        rank.on_finish = released
+
+    last = 0.0
+    rounds = 0
+    while True:
+        t_arr = heap[0][0] if heap else math.inf
+        busy = [rk for rk in ranks if rk.busy]
+        t_rank = min((rk.now for rk in busy), default=math.inf)
+        if t_arr == math.inf and t_rank == math.inf:
+            break
+        if min(t_arr, t_rank) > horizon_s:
+            break
+        if t_arr <= t_rank:
+            t, _, rid, kind = heapq.heappop(heap)
+            r = reqs[rid]
+            if kind == 0:  # arrival at the server
+                r.arrival = t
+                if cfg.ingress_s > 0:
+                    heapq.heappush(heap, (t + cfg.ingress_s, seq, rid, 1))
+                    seq += 1
+                    continue
+            route.pick(ranks, r).enqueue(r, t)
+            continue
+        rank = min(busy, key=lambda rk: (rk.now, rk.id))
+        if rank.now < last - 1e-12:
+            raise RuntimeError("time went backwards")
+        last = rank.now
+        rank.step()
+        rounds += 1
+        if rounds > max_rounds:
+            raise RuntimeError("simulation did not converge (max_rounds)")
+    unfinished = [r for r in reqs.values() if r.state != "done"]
+    end = max([rk.now for rk in ranks] + [0.0])
+    return SimResult(list(reqs.values()), ranks, end, unfinished)

@@ -1,0 +1,54 @@
+"""Summaries of simulated (and real) runs: the same figures, computed the same way."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); NaN for no data."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize_latencies(ttfts: Iterable[float], itls: Iterable[float]) -> dict:
+    ttfts, itls = list(ttfts), list(itls)
+    return {
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "itl_p50_ms": percentile(itls, 50) * 1e3,
+        "itl_p99_ms": percentile(itls, 99) * 1e3,
+    }
+
+
+def summarize(result, select=None) -> dict:
+    """Figures of a :class:`~sglang_kda.sim.engine.SimResult` over the requests ``select``
+    accepts (all by default)."""
+    reqs = [r for r in result.requests if select is None or select(r)]
+    done = [r for r in reqs if r.state == "done"]
+    out = {
+        "requests": len(reqs),
+        "finished": len(done),
+        "prompt_tokens": sum(len(r.ids) for r in reqs),
+        "prefill_tokens": sum(r.computed for r in reqs),
+        "cached_tokens": sum(r.cached for r in reqs),
+        "cached_midprefill": sum(r.cached_midprefill for r in reqs),
+        "kv_recomputed": sum(r.kv_recomputed for r in reqs),
+        "output_tokens": sum(r.generated for r in reqs),
+    }
+    out.update(
+        summarize_latencies(
+            [r.ttft for r in reqs if r.token_times], [x for r in reqs for x in r.itls]
+        )
+    )
+    out["duration_s"] = result.end_time
+    out["twin_waits"] = sum(rk.twin_waits for rk in result.ranks)
+    out["rounds"] = sum(rk.n_rounds for rk in result.ranks)
+    out["checkpoints_held"] = sum(rk.tree.n_checkpoints for rk in result.ranks)
+    out["checkpoints_evicted"] = sum(rk.tree.stats.checkpoints_evicted for rk in result.ranks)
+    return out

@@ -1,0 +1,212 @@
+"""The scheduler simulator (sglang_kda/sim): event loop, policies, traces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_kda.policy import admission, grid
+from sglang_kda.policy.budget import BudgetConfig
+from sglang_kda.policy.cost_model import Coefficients, CostModel
+from sglang_kda.sim import trace as T
+from sglang_kda.sim.costs import KimiLinearH200, cpu_model
+from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.metrics import summarize
+
+COST = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))
+
+
+def run(tr, **kw):
+    dp = kw.pop("dp", 1)
+    router = kw.pop("router", "round_robin")
+    cfg = SimConfig(**{"chunked_prefill_size": 256, "integrity": True, **kw})
+    return simulate(tr, cfg, COST, dp=dp, router=router, record_rounds=True)
+
+
+def fingerprint(res):
+    return [(r.rid, r.computed, r.cached, tuple(r.token_times)) for r in res.requests]
+
+
+def check_invariants(res, tr):
+    # Conservation: every request finished or reported unfinished.
+    assert len(res.finished) + len(res.unfinished) == len(tr.requests)
+    for r in res.finished:
+        assert r.generated == r.out
+        assert r.computed + r.cached == len(r.ids)
+        assert r.computed >= 1  # the last prompt token is always recomputed
+        # No time travel: tokens after arrival, in order; rounds of a rank never overlap.
+        assert r.token_times[0] >= r.arrival
+        assert all(b > a for a, b in zip(r.token_times, r.token_times[1:], strict=False))
+    for rk in res.ranks:
+        for a, b in zip(rk.rounds, rk.rounds[1:], strict=False):
+            assert b.start >= a.end - 1e-12
+        assert rk.tree.root.lock_path == 0  # every lock released
+        rk.tree.integrity(expected_locks=0)
+
+
+WORKLOADS = {
+    "burst": lambda: T.twin_bursts(),
+    "diverge": lambda: T.off_grid_divergence(),
+    "repeat": lambda: T.repeats(),
+    "multi_turn": lambda: T.multi_turn(),
+    "gsp": lambda: T.shared_prefix(groups=2, per_group=3),
+    "long": lambda: T.long_among_decodes(streams=3, stream_out=40, long_prompt=2000),
+}
+
+
+@pytest.mark.parametrize("policy", ["stock", "kda"])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_workloads_conserve_and_are_deterministic(name, policy):
+    tr = WORKLOADS[name]()
+    a, b = run(tr, policy=policy), run(WORKLOADS[name](), policy=policy)
+    check_invariants(a, tr)
+    assert fingerprint(a) == fingerprint(b)
+
+
+def test_kda_cuts_on_grid_and_stock_does_not_have_to():
+    tr = T.long_among_decodes(streams=1, stream_out=4, long_prompt=1000)
+    for policy in ("kda", "stock"):
+        res = run(tr, policy=policy, chunked_prefill_size=200)
+        ends = [s + n for rd in res.ranks[0].rounds for _, s, n in rd.slices]
+        long = [r for r in res.requests if r.rid == "long"][0]
+        inner = [e for rd in res.ranks[0].rounds for rid, s, n in rd.slices
+                 if rid == "long" and (e := s + n) < len(long.ids)]  # fmt: skip
+        assert ends
+        if policy == "kda":
+            assert all(e % 64 == 0 for e in inner)
+        else:
+            assert inner[0] == 200
+
+
+def test_repeat_computes_at_most_one_grid_step_under_kda():
+    res = run(T.repeats(n=2, length=826), policy="kda", chunked_prefill_size=4096)
+    second = [r for r in res.requests if r.rid == "rp1"][0]
+    assert second.computed <= 64
+    stock = run(T.repeats(n=2, length=826), policy="stock", chunked_prefill_size=4096)
+    assert [r for r in stock.requests if r.rid == "rp1"][0].computed == 826
+
+
+def test_twins_compute_shared_prefix_once():
+    tr = T.twin_bursts(bursts=1, size=4, prefix=900, tail=40)
+    kda = summarize(run(tr, policy="kda", chunked_prefill_size=4096))
+    stock = summarize(run(tr, policy="stock", chunked_prefill_size=4096))
+    assert kda["twin_waits"] > 0
+    assert stock["prefill_tokens"] == 4 * 940
+    assert kda["prefill_tokens"] <= 940 + 3 * (40 + 64)
+
+
+def test_the_simulator_runs_the_policy_modules(monkeypatch):
+    """A change to the policy functions shows up in simulated results."""
+    tr = T.twin_bursts(bursts=1, size=4, prefix=900, tail=40)
+    base = summarize(run(tr, policy="kda", chunked_prefill_size=4096))
+    monkeypatch.setattr(admission, "twin_gain", lambda *a, **k: 0)
+    no_twins = summarize(run(tr, policy="kda", chunked_prefill_size=4096))
+    assert no_twins["twin_waits"] == 0 and no_twins["prefill_tokens"] > base["prefill_tokens"]
+    monkeypatch.undo()
+    calls = []
+    orig = grid.aligned_chunk_len
+
+    def spy(*a):
+        calls.append(a)
+        return orig(*a)
+
+    monkeypatch.setattr(grid, "aligned_chunk_len", spy)
+    run(T.long_among_decodes(streams=1, stream_out=2, long_prompt=700), policy="kda")
+    assert calls
+
+
+def test_trace_roundtrip(tmp_path):
+    tr = T.merged([T.multi_turn(), T.off_grid_divergence(), T.long_among_decodes(deadline_s=5)])
+    p = tmp_path / "t.jsonl"
+    tr.dump(p)
+    back = T.Trace.load(p)
+    assert [r.to_json() for r in back.requests] == [r.to_json() for r in tr.requests]
+    assert [back.prompt(r) for r in back.requests] == [tr.prompt(r) for r in tr.requests]
+    with pytest.raises(ValueError):
+        T.TraceRequest.from_json({"id": "x", "out": 1, "ids": [1]})  # neither t nor after
+
+
+def test_segments_share_exact_prefixes():
+    tr = T.shared_prefix(groups=1, per_group=2, prefix=300, suffix=20)
+    a, b = (tr.prompt(r) for r in tr.requests)
+    assert a[:300] == b[:300] and a[300:] != b[300:]
+
+
+def test_horizon_reports_unfinished():
+    tr = T.long_among_decodes(streams=2, stream_out=500, long_prompt=3000)
+    res = simulate(tr, SimConfig(policy="kda", chunked_prefill_size=256), COST, horizon_s=0.05)
+    assert res.unfinished and len(res.finished) + len(res.unfinished) == len(tr.requests)
+
+
+def test_dp_ranks_and_routers():
+    tr = T.agent_multi_turn(agents=4, turns=3, system=600, first_user=100, step_in=80,
+                            step_out=8, forks=2, think_s=0.01, spread_s=0.1)  # fmt: skip
+    for router in ("round_robin", "prefix"):
+        res = run(tr, policy="kda", dp=3, router=router)
+        check_invariants(res, tr)
+        assert {r.rank for r in res.requests} <= {0, 1, 2}
+    rr = summarize(run(tr, policy="kda", dp=3, router="round_robin"))
+    pa = summarize(run(tr, policy="kda", dp=3, router="prefix"))
+    assert pa["prefill_tokens"] <= rr["prefill_tokens"]
+
+
+def test_checkpoint_cap_bounds_the_tree():
+    tr = T.shared_prefix(groups=3, per_group=3, prefix=700)
+    res = run(tr, policy="kda", max_checkpoints=5)
+    assert all(rk.tree.n_checkpoints <= 5 for rk in res.ranks)
+    assert summarize(res)["checkpoints_evicted"] > 0
+
+
+def test_budget_plans_mix_decode_and_meet_deadline():
+    tr = T.long_among_decodes(streams=4, stream_out=300, long_prompt=3000, deadline_s=60)
+    cfg = BudgetConfig(itl_target_s=None, grid=64, max_slice=1024)
+    res = run(tr, policy="kda", budget=cfg, chunked_prefill_size=1024)
+    check_invariants(res, tr)
+    modes = {rd.mode for rd in res.ranks[0].rounds}
+    assert modes & {"share", "grow", "alone"}
+    long = [r for r in res.requests if r.rid == "long"][0]
+    assert long.ttft <= 60
+    book = res.ranks[0].book
+    assert book.stats.met >= 1 and not book.live
+    # Decode streams keep getting tokens while the long prompt prefills (mixed rounds).
+    mixed = [rd for rd in res.ranks[0].rounds if rd.slices and rd.n_decode]
+    assert mixed
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    policy=st.sampled_from(["stock", "kda"]),
+    chunk=st.sampled_from([64, 100, 256, 1000]),
+    cap=st.one_of(st.none(), st.integers(0, 8)),
+)
+def test_random_traces_keep_invariants(seed, policy, chunk, cap):
+    import random
+
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(rng.randint(1, 10)):
+        segs = [(f"p{rng.randint(0, 2)}", rng.randint(1, 400)), (f"x{i}", rng.randint(0, 100))]
+        reqs.append(T.TraceRequest(f"r{i}", rng.randint(1, 6), t=rng.uniform(0, 0.3),
+                                   segments=tuple((n, k) for n, k in segs if k)))  # fmt: skip
+    tr = T.Trace(reqs, seed=seed)
+    res = run(tr, policy=policy, chunked_prefill_size=chunk, max_checkpoints=cap,
+              dp=rng.randint(1, 3))  # fmt: skip
+    check_invariants(res, tr)
+    assert not res.unfinished
+
+
+def test_h200_model_runs_a_long_prompt():
+    tr = T.long_among_decodes(streams=8, stream_out=50, long_prompt=131072, long_at_s=0.0)
+    res = simulate(tr, SimConfig(policy="stock", chunked_prefill_size=16384), KimiLinearH200(8))
+    long = [r for r in res.requests if r.rid == "long"][0]
+    assert 1.0 < long.ttft < 3.0 and math.isfinite(long.ttft)
+
+
+def test_cost_model_plugs_in_unchanged():
+    m = CostModel(Coefficients(), 3, 1)
+    res = simulate(T.repeats(), SimConfig(policy="kda"), m)
+    assert len(res.finished) == 2

@@ -1,0 +1,60 @@
+"""Cost models of the simulator against the published numbers they come from."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_kda.policy.budget import BudgetConfig, plan_round
+from sglang_kda.policy.cost_model import BatchShape
+from sglang_kda.sim.costs import (
+    KimiLinearH200,
+    RoundCost,
+    cpu_model,
+    prefill_alone,
+    published_checks,
+    quadratic_term_tflops,
+)
+
+
+def test_published_prefill_and_tpot_checks():
+    rows = published_checks()
+    by = {(r["what"], r["n"]): r for r in rows}
+    # Prefill 128K-1M (Kimi Linear report fig. 7a): calibrated at 128K, within 1% at 256K-1M.
+    for n in (262144, 524288, 1048576):
+        assert abs(by[("prefill_s", n)]["error"]) < 0.01
+    # TPOT at batch 1 (fig. 7b): line through 4K and 1M; 128K and 512K within 6%.
+    for n in (131072, 524288):
+        assert abs(by[("tpot_b1_s", n)]["error"]) < 0.06
+    # TPOT at the largest batch (fig. 1b, batch not stated; checked at 64): within 25%.
+    for n in (131072, 1048576):
+        assert abs(by[("tpot_b64_s", n)]["error"]) < 0.25
+
+
+def test_quadratic_term_is_eight_h200s_at_three_quarters_of_peak():
+    assert quadratic_term_tflops() == pytest.approx(8 * 989 * 0.75, rel=0.02)
+
+
+def test_tp_scaling():
+    t = {tp: prefill_alone(KimiLinearH200(tp), 1 << 20) for tp in (1, 4, 8)}
+    assert t[1] > t[4] > t[8]
+    assert t[1] / t[8] == pytest.approx(8, rel=0.1)  # compute-bound prefill
+    d = {tp: KimiLinearH200(tp).predict(BatchShape.of([4096] * 32)) for tp in (1, 4, 8)}
+    assert d[1] > d[4] > d[8]
+    # KDA chunk step: throughput-bound at TP1, serial-bound at TP8 (anchors.md).
+    assert KimiLinearH200(1).kda_chunk_s() > KimiLinearH200(8).kda_chunk_s() == 1.9e-6
+
+
+def test_interface_and_budget_accept_both_models():
+    for m in (cpu_model(), KimiLinearH200(8)):
+        assert isinstance(m, RoundCost)
+        shape = BatchShape.of([1000] * 4, [(0, 4096)])
+        assert m.predict(shape) > m.predict(BatchShape.of([1000] * 4)) > 0
+        assert m.alone_time(0, 8192, 4096) == pytest.approx(prefill_alone(m, 8192, 4096), rel=0.05)
+        plan = plan_round(m, BudgetConfig(grid=64, max_slice=16384), 0.0, [1000] * 4, [])
+        assert plan.mode == "idle"
+
+
+def test_memory_plan():
+    mp = KimiLinearH200(8).memory_plan()
+    assert mp["kv_tokens"] > 1 << 20  # a 1M-token context fits on TP8
+    assert mp["checkpoints"] > 1000
