@@ -17,7 +17,12 @@ Workloads (all greedy, short outputs, a fixed seed):
   sent at once (the twins case).
 - ``diverge``: a ~700-token base prompt, then requests sharing its first N tokens (N random,
   never a multiple of 64) followed by new tails, one after the other.
-- ``repeat``: the same ~826-token prompt twice, one after the other.
+- ``repeat``: the same prompt twice, one after the other (826 tokens, then 700 and 1000).
+
+Prefix lengths stay off the 256-token chunk grid on purpose (gsp system prompts of 600/700
+tokens, a 900-token burst prefix, 700 and 1000-token repeats): SGLang's stock ``no_buffer`` cache
+keeps a KDA state at every chunk end, so a shared prefix that happens to end on a chunk boundary
+would hide the difference. ``--chunked-prefill-size 0`` leaves the server's own default.
 
 Workloads other than ``gsp`` use this script's own asyncio client against ``/generate``
 (``input_ids``, ``stream: true``) and record per request the TTFT (first streamed chunk), and
@@ -29,8 +34,10 @@ name starts with ``sglang_kda_`` is recorded as an extra column when the server 
 
 Outputs in ``benchmark/results/cache/`` (``--out-dir``): ``<workload>_<policy>.csv`` per
 workload and policy, ``summary.csv`` (all rows), ``ratios.md`` (the kda/stock table, also
-printed) and ``<metric>.png`` bar plots. ``--quick`` shrinks every workload (one run of both
-servers takes ~5 min on a loaded 2-core CPU machine; the full run ~10 min).
+printed) and ``<metric>.png`` bar plots. ``--quick`` shrinks every workload. Measured on 2
+shared CPU cores: one server start takes ~2 min, the quick workloads ~1.5 min per policy on a
+quiet machine (~7 min in all) and up to 11 min in all when other jobs load the cores; the full
+workloads take about twice as long as the quick ones.
 
 Example::
 
@@ -335,16 +342,16 @@ def sizes(quick: bool) -> dict:
             mt_convs=2, mt_turns=3, mt_system=192, mt_user=(40, 80),
             burst_groups=1, burst_size=4, burst_prefix=900, burst_tail=(16, 40),
             div_bases=1, div_requests=4, div_base=700, div_tail=(40, 80),
-            rep_prompts=1, rep_len=826,
-            gsp=dict(groups=1, per_group=4, system=512, question=48, output=4, concurrency=4),
+            rep_lens=(826, 700),
+            gsp=dict(groups=1, per_group=4, system=600, question=48, output=4, concurrency=4),
         )  # fmt: skip
     return dict(
         new_tokens=8,
         mt_convs=3, mt_turns=4, mt_system=256, mt_user=(40, 100),
         burst_groups=2, burst_size=4, burst_prefix=900, burst_tail=(16, 40),
         div_bases=2, div_requests=6, div_base=700, div_tail=(40, 100),
-        rep_prompts=2, rep_len=826,
-        gsp=dict(groups=2, per_group=4, system=640, question=64, output=8, concurrency=4),
+        rep_lens=(826, 700, 1000),
+        gsp=dict(groups=2, per_group=4, system=700, question=64, output=8, concurrency=4),
     )  # fmt: skip
 
 
@@ -395,8 +402,8 @@ async def run_client_workload(name: str, url: str, cfg: dict, seed: int, model: 
                     prompt = base[:n] + toks.take(rng.randint(*cfg["div_tail"]))
                     results.append(await generate(session, url, prompt, new))
         elif name == "repeat":
-            for _ in range(cfg["rep_prompts"]):
-                prompt = toks.take(cfg["rep_len"])
+            for n in cfg["rep_lens"]:
+                prompt = toks.take(n)
                 for _ in range(2):
                     results.append(await generate(session, url, prompt, new))
         else:
@@ -452,7 +459,9 @@ def warm_up(url: str, model: str) -> None:
 
 
 def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) -> list[dict]:
-    extra = ["--enable-metrics", "--chunked-prefill-size", str(args.chunked_prefill_size)]
+    extra = ["--enable-metrics"]
+    if args.chunked_prefill_size:
+        extra += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     server = Server(model, policy, [*extra, *args.server_args], tmp / f"{label}.log")
     rows = []
     try:
@@ -563,9 +572,11 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model dir (default: the tiny model)")
-    parser.add_argument("--quick", action="store_true", help="smaller workloads (~5 min in all)")
+    parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunked-prefill-size", type=int, default=256)
+    parser.add_argument(
+        "--chunked-prefill-size", type=int, default=256, help="0: the server's default"
+    )
     parser.add_argument("--policies", default="stock,kda", help="comma-separated, in this order")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--out-dir", default=str(REPO / "benchmark/results/cache"))
@@ -596,9 +607,8 @@ def main() -> int:
 
     write_csvs(rows, out_dir)
     labels = list(dict.fromkeys(r["policy"] for r in rows))
-    table = ""
-    if len(labels) >= 2:
-        table = ratio_table(rows, labels[0], labels[-1])
+    # Every other run against the first (e.g. --policies stock,kda,stock adds a noise floor).
+    table = "\n\n".join(ratio_table(rows, labels[0], other) for other in labels[1:])
     cmd = " ".join(["benchmark/cache_side_by_side.py", *sys.argv[1:]])
     header = (
         f"command: `{cmd}`; chunked prefill {args.chunked_prefill_size}, seed {args.seed}, "
