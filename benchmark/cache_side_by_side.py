@@ -500,7 +500,7 @@ def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) 
 
 def fmt(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return str(v)
 
 
@@ -514,7 +514,7 @@ def write_csvs(rows: list[dict], out_dir: Path) -> list[str]:
             w = csv.DictWriter(f, fieldnames=columns, restval="")
             w.writeheader()
             for r in subset:
-                w.writerow({k: fmt(v) for k, v in r.items()})
+                w.writerow({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
     return columns
 
 
@@ -569,6 +569,28 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+def render_only(out_dir: Path) -> int:
+    def num(v: str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                return float(v)
+            except ValueError:
+                return v
+
+    with open(out_dir / "summary.csv", newline="") as f:
+        rows = [{k: num(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    write_csvs(rows, out_dir)
+    labels = list(dict.fromkeys(r["policy"] for r in rows))
+    table = "\n\n".join(ratio_table(rows, labels[0], other) for other in labels[1:])
+    old = (out_dir / "ratios.md").read_text().split("\n\n", 1)[0]  # the run's header line
+    (out_dir / "ratios.md").write_text(old + "\n\n" + table + "\n")
+    plot(rows, out_dir)
+    print(f"{old}\n\n{table}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model dir (default: the tiny model)")
@@ -580,8 +602,15 @@ def main() -> int:
     parser.add_argument("--policies", default="stock,kda", help="comma-separated, in this order")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--out-dir", default=str(REPO / "benchmark/results/cache"))
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="no servers: re-render the table, CSVs and plots from OUT_DIR/summary.csv",
+    )
     parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
     args = parser.parse_args()
+    if args.render_only:
+        return render_only(Path(args.out_dir))
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - set(WORKLOADS)
     if unknown:
