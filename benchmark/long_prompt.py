@@ -266,7 +266,7 @@ def run_server_case(args, model_dir: Path, policy: str, chunk: int, shapes: dict
             )
         rss = [
             {"policy": policy, "chunk_size": chunk, "t": t, "rss_mb": m, "phase": lab}
-            for (t, m), lab in zip(sampler.samples, sampler.labels)
+            for (t, m), lab in zip(sampler.samples, sampler.labels, strict=False)
         ]
     finally:
         if sampler is not None:
@@ -298,9 +298,14 @@ def plot(out: Path, chunks, prompts, rss, kda) -> None:
         n = max(r["prompt_len"] for r in rows)
         rows = [r for r in rows if r["prompt_len"] == n]
         lab = f"{key[0]} chunk {key[1]} ({n} tok)"
-        ax[0, 0].plot([r["prefix"] for r in rows], [r["time_s"] * 1e3 for r in rows], ".-", label=lab)
+        ax[0, 0].plot(
+            [r["prefix"] for r in rows], [r["time_s"] * 1e3 for r in rows], ".-", label=lab
+        )
         ax[0, 1].plot(
-            [r["prefix"] for r in rows], [r["mla_gflops_wall"] for r in rows], ".", label="MLA " + lab
+            [r["prefix"] for r in rows],
+            [r["mla_gflops_wall"] for r in rows],
+            ".",
+            label="MLA " + lab,
         )
     for k in kda:
         ax[0, 1].axhline(k["kda_gflops_wall"], ls="--", lw=1, color="gray")
@@ -312,13 +317,22 @@ def plot(out: Path, chunks, prompts, rss, kda) -> None:
     for key in sorted({(r["policy"], r["chunk_size"]) for r in rss}):
         rows = [r for r in rss if (r["policy"], r["chunk_size"]) == key]
         t0 = rows[0]["t"]
-        ax[1, 0].plot([r["t"] - t0 for r in rows], [r["rss_mb"] for r in rows], label=f"{key[0]} chunk {key[1]}")
+        ax[1, 0].plot(
+            [r["t"] - t0 for r in rows],
+            [r["rss_mb"] for r in rows],
+            label=f"{key[0]} chunk {key[1]}",
+        )
     ax[1, 0].set(xlabel="s since server ready", ylabel="scheduler RSS (MB)", title="scheduler RSS")
     for key in sorted({(p["policy"], p["chunk_size"]) for p in prompts}):
         rows = [p for p in prompts if (p["policy"], p["chunk_size"]) == key and p["status"] == 200]
-        ax[1, 1].plot([p["prompt_len"] for p in rows], [p["ttft_s"] for p in rows], "o-", label=f"{key[0]} chunk {key[1]}")
-    ax[1, 1].set(xlabel="prompt tokens", ylabel="time to first token (s)", xscale="log", yscale="log",
-                 title="prefill time")  # fmt: skip
+        ax[1, 1].plot(
+            [p["prompt_len"] for p in rows],
+            [p["ttft_s"] for p in rows],
+            "o-",
+            label=f"{key[0]} chunk {key[1]}",
+        )
+    ax[1, 1].set(xlabel="prompt tokens", ylabel="time to first token (s)", xscale="log",
+                 yscale="log", title="prefill time")  # fmt: skip
     for a in ax.flat:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
@@ -371,10 +385,15 @@ def merge(out: Path) -> None:
             f"| {f['policy']} | {f['chunk_size']} | {f['fixed_ms']:.1f} | {f['per_token_us']:.1f} "
             f"| {f['per_token_per_1k_prefix_us']:.2f} |"
         )
-    lines += ["", "| KDA chunk | ms (all KDA layers) | nominal GFLOP | GFLOP/s |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| KDA chunk | ms (all KDA layers) | nominal GFLOP | GFLOP/s |",
+        "|---|---|---|---|",
+    ]
     for c, r in sorted(kda.items()):
         lines.append(
-            f"| {c} | {r['kda_wall_s'] * 1e3:.1f} | {r['kda_gflop']:.3f} | {r['kda_gflops_wall']:.1f} |"
+            f"| {c} | {r['kda_wall_s'] * 1e3:.1f} | {r['kda_gflop']:.3f} "
+            f"| {r['kda_gflops_wall']:.1f} |"
         )
     big = {}
     for r in data["chunks"]:

@@ -115,12 +115,12 @@ def test_matches_sglang_torch_native_extend():
     latent = torch.randn(n_pool, 1, d, generator=g)
     prefix_lens = [0, 45, 120]
     extend_lens = [33, 19, 1]
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     req_to_token = torch.zeros(5, 256, dtype=torch.int64)
     perm = torch.randperm(n_pool, generator=g)
     pool_idx = [3, 0, 4]
     used = 0
-    for r, sl in zip(pool_idx, seq_lens):
+    for r, sl in zip(pool_idx, seq_lens, strict=True):
         req_to_token[r, :sl] = perm[used : used + sl]
         used += sl
     q = torch.randn(sum(extend_lens), hq, d, generator=g)

@@ -204,7 +204,7 @@ def extend_attention_batch(
     ``q``/``out`` hold the requests' new rows back to back, request ``i``'s token indices are
     ``req_to_token[req_pool_indices[i], :seq_lens[i]]`` (prefix, then new tokens)."""
     start = 0
-    for rp, sl, pl, el in zip(req_pool_indices, seq_lens, prefix_lens, extend_lens):
+    for rp, sl, pl, el in zip(req_pool_indices, seq_lens, prefix_lens, extend_lens, strict=True):
         if pl + el != sl:
             raise ValueError(f"prefix {pl} + extend {el} != sequence {sl}")
         extend_attention(
