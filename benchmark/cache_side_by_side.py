@@ -630,6 +630,7 @@ def main() -> int:
     policies = args.policies.split(",")
     rows: list[dict] = []
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
     for i, policy in enumerate(policies):
         label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
         rows += run_policy(policy, label, model, args, cfg, tmp)
@@ -642,7 +643,9 @@ def main() -> int:
     header = (
         f"command: `{cmd}`; chunked prefill {args.chunked_prefill_size}, seed {args.seed}, "
         f"{'quick' if args.quick else 'full'} sizes, {os.cpu_count()} CPUs, "
-        f"{time.monotonic() - t0:.0f}s in all"
+        f"{time.monotonic() - t0:.0f}s in all, 1-min load average {load0:.1f} at start and "
+        f"{os.getloadavg()[0]:.1f} at end (TTFT and throughput suffer from a shared machine; "
+        "token counts do not)"
     )
     (out_dir / "ratios.md").write_text(header + "\n\n" + table + "\n")
     plots = plot(rows, out_dir)
