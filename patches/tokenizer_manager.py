@@ -74,6 +74,20 @@ def limits_of(tm):
     )
 
 
+# Errors SGLang raises on request shapes it does not expect, before any answer.
+_MALFORMED = (TypeError, AttributeError, IndexError, KeyError)
+# Routes whose malformed bodies get a 400 instead of a 500 (see install_http_hooks).
+GUARDED_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def _drop_null_n(sampling_params) -> None:
+    """``"n": null`` means the default, as ``null`` does for every other sampling parameter;
+    SGLang's fan-out reads it raw (``None > 1``)."""
+    for sp in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        if isinstance(sp, dict) and "n" in sp and sp["n"] is None:
+            del sp["n"]
+
+
 def _fields(obj) -> dict:
     return {k: getattr(obj, k, None) for k in _GENERATE_FIELDS}
 
@@ -121,8 +135,21 @@ def apply(ctx) -> None:
     async def generate_request(self, obj, request=None):
         if isinstance(obj, generate_req_input):
             validation.check_generate(_fields(obj), limits_of(self))
-        async for out in orig_generate(self, obj, request):
-            yield out
+            _drop_null_n(obj.sampling_params)
+        answered = False
+        try:
+            async for out in orig_generate(self, obj, request):
+                answered = True
+                yield out
+        except _MALFORMED as e:
+            # SGLang's normalisation / tokenization tripping over a shape the checks above let
+            # through: the client's request, not the server, is at fault (a 400, not a 500).
+            if answered:
+                raise
+            logger.warning("sglang_kda: rejected a malformed request", exc_info=True)
+            raise ValueError(
+                f"malformed request ({type(e).__name__}: {validation.scrub_paths(str(e))})"
+            ) from e
 
     generate_request._sglang_kda = True
     cls.generate_request = generate_request
@@ -197,6 +224,37 @@ def install_http_hooks(tm) -> None:
             return await orig_handler(request, clean)
 
         handlers[RequestValidationError] = validation_exception_handler
+
+    # A request model's own "before" validators (e.g. ChatCompletionRequest.set_json_schema on
+    # "response_format": [null]) raise AttributeError / TypeError on shapes they do not expect,
+    # which FastAPI lets through as a 500. On the generate routes every other exception of these
+    # kinds is handled inside the endpoint (OpenAIServingBase.handle_request catches everything;
+    # generate_request above turns them into ValueError), so here they mean a malformed body.
+    from fastapi.responses import ORJSONResponse
+
+    async def malformed_body_handler(request, exc):
+        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+        if path not in GUARDED_ROUTES:
+            raise exc
+        logger.warning("sglang_kda: malformed request body on %s", path, exc_info=exc)
+        message = (
+            f"malformed request body ({type(exc).__name__}: {validation.scrub_paths(str(exc))})"
+        )
+        if path == "/generate":
+            return ORJSONResponse({"error": {"message": message}}, status_code=400)
+        return ORJSONResponse(
+            {
+                "object": "error",
+                "message": message,
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+            status_code=400,
+        )
+
+    for exc_type in _MALFORMED:
+        handlers.setdefault(exc_type, malformed_body_handler)
 
     # OpenAI routes: check with OpenAI field names before the request is converted.
     checks = (

@@ -279,18 +279,38 @@ def check_generate(body: Mapping[str, Any], limits: Limits, prompt_len: int | No
         raise RequestError("body", f"must be a JSON object, got {_show(body)}")
     get = body.get
     text, ids = get("text"), get("input_ids")
-    batch = (isinstance(text, list)) or (
-        isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    )
+    batch_size = None  # None: a single prompt (or one given by input_embeds / a session)
+    if isinstance(text, list):
+        batch_size, prompt_field = len(text), "text"
+    elif text is None and isinstance(ids, list) and ids and isinstance(ids[0], list):
+        batch_size, prompt_field = len(ids), "input_ids"
+    if batch_size == 0:
+        raise RequestError(prompt_field, "must not be an empty list")
+    batch = batch_size is not None
+    single = isinstance(text, str) or (text is None and prompt_length(body) is not None)
 
     sp = get("sampling_params")
     if isinstance(sp, list):
+        if single:
+            raise RequestError(
+                "sampling_params", "must be an object for a single prompt (a list is per prompt)"
+            )
+        if batch and len(sp) != batch_size:
+            raise RequestError("sampling_params", f"has {len(sp)} entries for {batch_size} prompts")
         if not sp:
             raise RequestError("sampling_params", "must not be an empty list")
         for i, item in enumerate(sp):
             check_sampling_params(item, limits, prefix=f"sampling_params[{i}]")
     else:
         check_sampling_params(sp, limits)
+    if batch:
+        for key in ("return_logprob", "top_logprobs_num", "logprob_start_len", "token_ids_logprob"):
+            v = get(key)
+            per_prompt = isinstance(v, list) and (
+                key != "token_ids_logprob" or (bool(v) and isinstance(v[0], list))
+            )
+            if per_prompt and len(v) != batch_size:
+                raise RequestError(key, f"has {len(v)} entries for {batch_size} prompts")
 
     for field, v in _per_request(get("return_logprob"), "return_logprob", batch):
         opt_bool(v, field)

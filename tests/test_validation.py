@@ -176,6 +176,23 @@ def test_generate_accepts_sane_requests(body):
     v.check_generate(body, LIMITS, v.prompt_length(body))
 
 
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"text": "a", "sampling_params": [{"n": 1}]}, "sampling_params"),
+        ({"input_ids": [1, 2], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": [], "sampling_params": {}}, "text"),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": ["a", "b"], "top_logprobs_num": [1, 2, 3]}, "top_logprobs_num"),
+        ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob"),
+        ({"text": ["a", "b"], "token_ids_logprob": [[1], [2], [3]]}, "token_ids_logprob"),
+        ({"text": "a", "top_logprobs_num": [1]}, "top_logprobs_num"),
+    ],
+)
+def test_generate_rejects_batch_shape_mismatches(body, field):
+    _rejects(v.check_generate, body, field, v.prompt_length(body))
+
+
 def test_logprob_start_against_the_tokenized_prompt():
     v.check_logprob_start(None, 3)
     v.check_logprob_start(-1, 3)

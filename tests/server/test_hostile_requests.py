@@ -151,6 +151,14 @@ NATIVE_CASES = [
     ),
     pytest.param(native(sampling_params={"min_p": "x"}), "min_p", id="min_p-string"),
     pytest.param({"text": 5}, "text", id="text-int"),
+    pytest.param(
+        {"text": "hi", "sampling_params": [{"max_new_tokens": 1}]},
+        "sampling_params",
+        id="sampling_params-list-for-one-prompt",
+    ),
+    pytest.param(
+        {"text": [], "sampling_params": {"max_new_tokens": 1}}, "text", id="text-empty-batch"
+    ),
 ]
 
 COMPLETION_CASES = [
@@ -179,6 +187,8 @@ CHAT_CASES = [
     ),
     pytest.param(chat(frequency_penalty=7), "frequency_penalty", id="frequency_penalty"),
     pytest.param({"model": "tiny", "messages": "hi"}, "messages", id="messages-string"),
+    # the request model's own validators trip over it (AttributeError, a 500 upstream)
+    pytest.param(chat(response_format=[None]), "malformed request body", id="response_format-list"),
 ]
 
 
@@ -198,6 +208,12 @@ def test_completions_reject_naming_the_field(server, payload, field, stream):
 @pytest.mark.parametrize("payload, field", CHAT_CASES)
 def test_chat_rejects_naming_the_field(server, payload, field, stream):
     assert_rejected(server, "/v1/chat/completions", {**payload, "stream": stream}, field)
+
+
+def test_null_n_means_the_default(server):
+    r = post(server, "/generate", native(sampling_params={"n": None}))
+    assert r.status_code == 200, r.text[:500]
+    assert isinstance(r.json(), dict)  # one answer, not a batch
 
 
 def test_sane_requests_at_the_limits_are_served(server):
