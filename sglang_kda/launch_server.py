@@ -283,6 +283,11 @@ def cpu_threads_bind_env(server_args, environ=None, cpus_by_node=None) -> tuple[
     Returns ``(env, log line)``; both empty when nothing is needed, when the user set
     ``SGLANG_CPU_OMP_THREADS_BIND`` (theirs wins) or for multi-node runs (each node's launcher
     only knows its own cores).
+
+    With the binding it also sets ``OMP_NUM_THREADS`` (unless the user did) to the cores of the
+    smallest group: without AMX SGLang does not pin a rank to its cores, and every rank would run
+    one compute thread per core of the machine. Measured, tp 2 on 2 cores, 3 x (203-token prompt +
+    32 tokens): 39 s of scheduler CPU and 82 s wall with 2 threads per rank, 4 s / 4 s with 1.
     """
     environ = os.environ if environ is None else environ
     if environ.get(THREADS_BIND_ENV) or getattr(server_args, "nnodes", 1) != 1:
@@ -299,9 +304,14 @@ def cpu_threads_bind_env(server_args, environ=None, cpus_by_node=None) -> tuple[
     value = thread_binding(ids, nodes)
     if value is None:
         return {}, None
-    return {THREADS_BIND_ENV: value}, (
+    env = {THREADS_BIND_ENV: value}
+    if not environ.get("OMP_NUM_THREADS"):
+        groups = value.split("|")
+        env["OMP_NUM_THREADS"] = str(min(len(groups[i].split(",")) for i in ids))
+    return env, (
         f"{len(ids)} CPU ranks (tp {tp} x dp {dp} x pp {pp}) on {len(nodes)} NUMA node(s): "
-        f"set {THREADS_BIND_ENV}={value} (set it yourself to choose the cores)"
+        f"set {' '.join(f'{k}={v}' for k, v in env.items())} "
+        f"(set {THREADS_BIND_ENV} yourself to choose the cores)"
     )
 
 

@@ -122,12 +122,19 @@ def test_thread_binding_set_when_ranks_outnumber_numa_nodes():
         (_ranks_args(tp=2, dp=2), "0|1|0|1"),  # more ranks than cores: ranks share cores
     ]:
         env, note = cpu_threads_bind_env(args, environ={}, cpus_by_node=one_node)
-        assert env == {THREADS_BIND_ENV: value}
+        # one compute thread per bound core (SGLang pins nothing without AMX)
+        assert env == {THREADS_BIND_ENV: value, "OMP_NUM_THREADS": "1"}
         assert THREADS_BIND_ENV in note and "NUMA" in note
     env, _ = cpu_threads_bind_env(
         _ranks_args(tp=4), environ={}, cpus_by_node=[list(range(8)), list(range(8, 16))]
     )
     assert env[THREADS_BIND_ENV] == "0,1,2,3|4,5,6,7|8,9,10,11|12,13,14,15"
+    assert env["OMP_NUM_THREADS"] == "4"
+    # a user's thread count is kept
+    env, _ = cpu_threads_bind_env(
+        _ranks_args(tp=2), environ={"OMP_NUM_THREADS": "2"}, cpus_by_node=one_node
+    )
+    assert env == {THREADS_BIND_ENV: "0|1"}
 
 
 def test_thread_binding_left_alone_when_given_or_not_needed():
