@@ -69,7 +69,7 @@ def test_attention_work_telescopes(start, grid_steps):
     cuts = [start]
     for g in grid_steps:
         cuts.append(cuts[-1] + 64 * g)
-    total = sum(attention_work(a, b - a) for a, b in zip(cuts, cuts[1:]))
+    total = sum(attention_work(a, b - a) for a, b in zip(cuts, cuts[1:], strict=False))
     assert total == pytest.approx(attention_work(start, cuts[-1] - start))
 
 
@@ -149,7 +149,9 @@ def test_online_fit_converges_and_reports_drift():
 def test_unseen_feature_keeps_its_prior():
     """Decode-only steps say nothing about prefill attention: its prior coefficient stays."""
     rng = random.Random(3)
-    shapes = [BatchShape.of([rng.randint(1, 500) for _ in range(rng.randint(1, 8))]) for _ in range(50)]
+    shapes = [
+        BatchShape.of([rng.randint(1, 500) for _ in range(rng.randint(1, 8))]) for _ in range(50)
+    ]
     got = fit(shapes, [TRUE.predict(s) for s in shapes], CostModel(kda_layers=3))
     assert got.coef.per_attn_unit == CostModel().coef.per_attn_unit
 

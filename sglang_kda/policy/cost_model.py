@@ -154,7 +154,21 @@ class CostModel:
 
     def predict(self, shape: BatchShape) -> float:
         """Predicted seconds of one forward of ``shape`` (0 for an empty batch)."""
-        return float(self.features(shape) @ self.coef.as_vector())
+        if shape.is_empty:
+            return 0.0
+        # Plain floats, not numpy: the budget calls this many times per round.
+        c = self.coef
+        steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
+        serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
+        serial += 1 if shape.decode_ctx else 0
+        attn = sum(attention_work(s.prefix, s.extend) for s in shape.slices)
+        return (
+            c.overhead
+            + c.per_token * shape.n_tokens
+            + c.per_kda_step * self.kda_layers * serial
+            + c.per_attn_unit * self.mla_layers * attn
+            + c.per_decode_ctx * self.mla_layers * sum(shape.decode_ctx)
+        )
 
     # -- pieces the budget needs in closed form ---------------------------------------------
     def decode_cost(self, decode_ctx: Sequence[int]) -> float:
@@ -343,12 +357,12 @@ class OnlineFit:
 def fit(shapes: Sequence[BatchShape], seconds: Sequence[float], base: CostModel) -> CostModel:
     """A model fitted on ``(shape, seconds)`` pairs, with ``base``'s layer counts."""
     f = OnlineFit(base, window=max(1, len(shapes)), min_samples=1, refit_every=1 << 30)
-    for s, t in zip(shapes, seconds):
+    for s, t in zip(shapes, seconds, strict=True):
         f.observe(s, t)
     return f.refit()
 
 
 def rel_error(model: CostModel, shapes: Sequence[BatchShape], seconds: Sequence[float]) -> float:
     """Mean relative error of ``model`` on measured steps."""
-    errs = [abs(model.predict(s) - t) / t for s, t in zip(shapes, seconds) if t > 0]
+    errs = [abs(model.predict(s) - t) / t for s, t in zip(shapes, seconds, strict=True) if t > 0]
     return float(sum(errs) / len(errs)) if errs else math.nan

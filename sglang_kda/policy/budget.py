@@ -1,0 +1,356 @@
+"""Serial-aware prefill budget: a time budget per round, completion deadlines, slack.
+
+SGLang gives a waiting prefill every round, sized in tokens. Here each round has a *time*
+budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
+
+* **Round budget** (:func:`round_budget`): ``--kda-itl-target-ms``, or by default 1.2x the
+  predicted decode-only step of the running batch, so decode barely notices a prefill that has
+  time to spare.
+* **Deadlines** (:func:`deadline_of`): every prefill must finish by
+  ``arrival + ttft_deadline + per_1k * prompt_tokens / 1000`` (server defaults), or
+  ``arrival + ttft_deadline_ms`` given with the request.
+* **Slack** (:func:`slack`): ``deadline - now - (predicted time to finish running alone)``.
+* **The plan** (:func:`plan_round`): the prefill the round's cut belongs to (the in-flight chunked
+  request, else the earliest deadline among prefills *at risk*, else the scheduler's own order)
+  takes what the round budget leaves after the decode tokens (``share``). When sharing would miss
+  its deadline, its slice grows to the smallest size that still finishes in time with decode
+  riding along each round (``grow``); when even the largest slice cannot, the prefill runs alone
+  (``alone``: no decode in the round). With no decode running the prefill takes the largest slice.
+* Slices end on the checkpoint grid (:func:`sglang_kda.policy.grid.aligned_chunk_len` semantics):
+  the slice is the longest grid-aligned one whose predicted round fits the budget, and at least
+  up to the next grid point (a round never makes zero progress; the budget is overspent by at
+  most one grid step). A request shorter than one grid step fits whole.
+* A prefill that cannot meet its deadline even alone is *infeasible* at admission
+  (:meth:`DeadlineBook.admit`).
+
+Pure: time is an argument (seconds, any epoch), costs come from the model; no clock, no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
+
+MODES = ("idle", "prefill_only", "share", "grow", "alone")
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """Settings of the budget (seconds and tokens).
+
+    itl_target_s: the round budget; ``None``: ``itl_factor`` x the decode-only step.
+    ttft_deadline_s / deadline_s_per_1k: the default deadline of a prefill.
+    grid: the checkpoint grid (cuts end on it).
+    max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
+    safety: remaining-time predictions are multiplied by this before comparing with deadlines.
+    """
+
+    itl_target_s: float | None = None
+    itl_factor: float = 1.2
+    ttft_deadline_s: float = 10.0
+    deadline_s_per_1k: float = 1.0
+    grid: int = 64
+    max_slice: int = 4096
+    safety: float = 1.1
+
+    def __post_init__(self) -> None:
+        if self.grid < 1 or self.max_slice < self.grid:
+            raise ValueError(f"need 1 <= grid <= max_slice, got {self.grid}, {self.max_slice}")
+        if self.itl_target_s is not None and self.itl_target_s <= 0:
+            raise ValueError("itl_target_s must be positive")
+
+
+@dataclass
+class Prefill:
+    """A prompt being prefilled: tokens ``[done, total)`` are left; must finish by ``deadline``."""
+
+    rid: str
+    deadline: float
+    done: int
+    total: int
+    arrival: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total - self.done)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one round does.
+
+    mode: one of :data:`MODES`.
+    rid: the prefill the round's cut belongs to (``None`` when idle).
+    tokens: the prefill tokens the round may take (SGLang's chunk budget for the round, decode
+        tokens not included); cut on the grid from ``rid``'s ``done``.
+    mix_decode: run the decode tokens in the same round.
+    budget_s: the round's time budget; predicted_s: predicted time of decode + ``rid``'s slice.
+    slack_s: ``rid``'s slack before the round.
+    """
+
+    mode: str
+    rid: str | None
+    tokens: int
+    mix_decode: bool
+    budget_s: float
+    predicted_s: float
+    slack_s: float | None = None
+
+
+def deadline_of(
+    arrival: float, prompt_tokens: int, cfg: BudgetConfig, override_s: float | None = None
+) -> float:
+    """Absolute deadline of a prefill that arrived at ``arrival``."""
+    if override_s is not None:
+        return arrival + override_s
+    return arrival + cfg.ttft_deadline_s + cfg.deadline_s_per_1k * prompt_tokens / 1000.0
+
+
+def round_budget(model: CostModel, decode_ctx: Sequence[int], cfg: BudgetConfig) -> float:
+    """The time budget of a round with these decode tokens running."""
+    if cfg.itl_target_s is not None:
+        return cfg.itl_target_s
+    return cfg.itl_factor * model.predict(BatchShape.of(decode_ctx))
+
+
+def alone_time(model: CostModel, p: Prefill, cfg: BudgetConfig) -> float:
+    """Predicted seconds to finish ``p`` running alone in the largest slices."""
+    return model.alone_time(p.done, p.total, cfg.max_slice)
+
+
+def slack(model: CostModel, p: Prefill, now: float, cfg: BudgetConfig) -> float:
+    """``deadline - now - predicted time to finish alone`` (negative: late even alone)."""
+    return p.deadline - now - alone_time(model, p, cfg)
+
+
+def slice_end(done: int, tokens: int, remaining: int, grid: int) -> int:
+    """Where a cut of ``tokens`` from ``done`` ends (as ``aligned_chunk_len`` cuts it)."""
+    from sglang_kda.policy.grid import aligned_chunk_len
+
+    return done + aligned_chunk_len(done, tokens, remaining, grid)
+
+
+def _first_step(done: int, remaining: int, grid: int) -> int:
+    """The smallest slice that makes progress: up to the next grid point, or all that is left."""
+    return min((done // grid + 1) * grid - done, remaining)
+
+
+def fit_slice(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    done: int,
+    remaining: int,
+    time_s: float,
+    grid: int,
+    max_slice: int,
+) -> int:
+    """The longest grid-aligned slice from ``done`` whose round (with ``decode_ctx``) fits in
+    ``time_s``; all of ``remaining`` when that fits; at least :func:`_first_step`."""
+    if remaining <= 0:
+        return 0
+
+    def cost(n: int) -> float:
+        return model.predict(BatchShape(tuple(decode_ctx), (Slice(done, n),)))
+
+    cap = min(remaining, max_slice)
+    if cost(cap) <= time_s:
+        return cap
+    first = _first_step(done, remaining, grid)
+    # Candidate ends on the grid: first, first + grid, ... below cap. Cost grows with length.
+    lo, hi = 0, max(0, (cap - first - 1) // grid)  # k: slice = first + k * grid < cap
+    if cost(first) > time_s:
+        return first
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(first + mid * grid) <= time_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return first + lo * grid
+
+
+def _rounds(done: int, remaining: int, s: int, grid: int) -> int:
+    """Rounds to prefill ``remaining`` tokens from ``done`` with a chunk budget of ``s`` tokens
+    per round, cut as :func:`slice_end` cuts (an upper bound when the last round could take
+    a little more than a whole number of grid steps)."""
+    if remaining <= 0:
+        return 0
+    if remaining <= s:
+        return 1
+    rest = remaining - (slice_end(done, s, remaining, grid) - done)
+    if rest <= 0:
+        return 1
+    if rest <= s:
+        return 2
+    return 1 + math.ceil(rest / max(grid, s // grid * grid))
+
+
+def finish_time(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, s: int, cfg: BudgetConfig
+) -> float:
+    """Predicted seconds until ``p`` is done, taking slices of ``s`` tokens with the decode tokens
+    riding along every round (closed form: rounds x (overhead + decode) + prefill work)."""
+    n = _rounds(p.done, p.remaining, s, cfg.grid)
+    per_round = model.coef.overhead + model.decode_cost(decode_ctx)
+    return n * per_round + model.prefill_work(p.done, p.total)
+
+
+def needed_slice(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, now: float, cfg: BudgetConfig
+) -> int | None:
+    """The smallest grid-multiple slice with which ``p`` still meets its deadline while decode
+    rides along each round (``None``: none up to ``max_slice`` does; run alone)."""
+    left = (p.deadline - now) / cfg.safety
+    per_round = model.coef.overhead + model.decode_cost(decode_ctx)
+    rounds_max = math.floor((left - model.prefill_work(p.done, p.total)) / per_round)
+    if rounds_max < 1:
+        return None
+    s = math.ceil(p.remaining / rounds_max)
+    s = max(cfg.grid, -(-s // cfg.grid) * cfg.grid)
+    # _rounds may add one round for an off-grid start; step up until the count fits.
+    while s <= cfg.max_slice and _rounds(p.done, p.remaining, s, cfg.grid) > rounds_max:
+        s += cfg.grid
+    if s > cfg.max_slice:
+        return None if p.remaining > cfg.max_slice else p.remaining
+    return s
+
+
+def at_risk(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, now: float, cfg: BudgetConfig
+) -> bool:
+    """Sharing the default round budget would miss ``p``'s deadline."""
+    share = fit_slice(
+        model,
+        decode_ctx,
+        p.done,
+        p.remaining,
+        round_budget(model, decode_ctx, cfg),
+        cfg.grid,
+        cfg.max_slice,
+    )
+    return finish_time(model, decode_ctx, p, share, cfg) * cfg.safety > p.deadline - now
+
+
+def order(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    prefills: Sequence[Prefill],
+    now: float,
+    cfg: BudgetConfig,
+    inflight: str | None = None,
+) -> list[Prefill]:
+    """The in-flight chunked prefill first (the scheduler cannot park it), then the prefills at
+    risk by earliest deadline, then the others in the order given."""
+    head = [p for p in prefills if p.rid == inflight]
+    rest = [p for p in prefills if p.rid != inflight]
+    risky = [p for p in rest if at_risk(model, decode_ctx, p, now, cfg)]
+    risky.sort(key=lambda p: p.deadline)
+    ids = {id(p) for p in risky}
+    return head + risky + [p for p in rest if id(p) not in ids]
+
+
+def plan_round(
+    model: CostModel,
+    cfg: BudgetConfig,
+    now: float,
+    decode_ctx: Sequence[int],
+    prefills: Sequence[Prefill],
+    inflight: str | None = None,
+) -> Plan:
+    """Plan one round; see the module docstring."""
+    budget = round_budget(model, decode_ctx, cfg)
+    pending = [p for p in prefills if p.remaining > 0]
+    if not pending:
+        return Plan("idle", None, 0, True, budget, model.predict(BatchShape.of(decode_ctx)))
+    head = order(model, decode_ctx, pending, now, cfg, inflight)[0]
+    sl = slack(model, head, now, cfg)
+
+    def planned(mode: str, tokens: int, mix: bool, budget_s: float | None = None) -> Plan:
+        end = slice_end(head.done, tokens, head.remaining, cfg.grid)
+        shape = BatchShape(tuple(decode_ctx) if mix else (), (Slice(head.done, end - head.done),))
+        pred = model.predict(shape)
+        return Plan(mode, head.rid, tokens, mix, pred if budget_s is None else budget_s, pred, sl)
+
+    if not decode_ctx:
+        return planned("prefill_only", cfg.max_slice, False)
+    share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
+    if finish_time(model, decode_ctx, head, share, cfg) * cfg.safety <= head.deadline - now:
+        return planned("share", share, True, budget)
+    need = needed_slice(model, decode_ctx, head, now, cfg)
+    if need is not None:
+        return planned("grow", max(need, share), True)
+    return planned("alone", cfg.max_slice, False)
+
+
+# -- deadline bookkeeping ------------------------------------------------------------------
+
+
+@dataclass
+class DeadlineStats:
+    admitted: int = 0
+    infeasible: int = 0
+    met: int = 0
+    missed: int = 0
+    slack_sum_s: float = 0.0
+    last_slack_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class DeadlineBook:
+    """Deadlines of the prefills a scheduler holds; outcomes when they finish."""
+
+    cfg: BudgetConfig
+    live: dict[str, Prefill] = field(default_factory=dict)
+    stats: DeadlineStats = field(default_factory=DeadlineStats)
+
+    def admit(
+        self,
+        model: CostModel,
+        rid: str,
+        now: float,
+        total: int,
+        done: int = 0,
+        override_s: float | None = None,
+        arrival: float | None = None,
+    ) -> tuple[Prefill, bool]:
+        """Track a new prefill; returns it and whether it is infeasible (late even alone)."""
+        arrival = now if arrival is None else arrival
+        p = Prefill(rid, deadline_of(arrival, total, self.cfg, override_s), done, total, arrival)
+        self.live[rid] = p
+        self.stats.admitted += 1
+        infeasible = slack(model, p, now, self.cfg) < 0
+        if infeasible:
+            self.stats.infeasible += 1
+        return p, infeasible
+
+    def progress(self, rid: str, done: int) -> None:
+        p = self.live.get(rid)
+        if p is not None:
+            p.done = max(p.done, done)
+
+    def finish(self, rid: str, now: float) -> tuple[bool, float] | None:
+        """The prefill ``rid`` is done at ``now``: (deadline met, slack left in seconds)."""
+        p = self.live.pop(rid, None)
+        if p is None:
+            return None
+        left = p.deadline - now
+        met = left >= 0
+        self.stats.met += met
+        self.stats.missed += not met
+        self.stats.slack_sum_s += left
+        self.stats.last_slack_s = left
+        return met, left
+
+    def drop(self, rid: str) -> None:
+        self.live.pop(rid, None)
+
+    def pending(self, rids: Iterable[str] | None = None) -> list[Prefill]:
+        if rids is None:
+            return list(self.live.values())
+        return [self.live[r] for r in rids if r in self.live]
