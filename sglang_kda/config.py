@@ -13,6 +13,7 @@ ENV_PREFIX = "SGLANG_KDA_"
 
 POLICIES = ("kda", "stock")
 KERNELS = ("auto", "torch", "triton")
+BUDGETS = ("off", "serial")  # --kda-budget
 DEFAULT_MAX_N = 16  # --kda-max-n
 MAX_N_LIMIT = 1024  # the largest --kda-max-n accepted
 
@@ -30,6 +31,19 @@ def _positive_int(value: object, flag: str, limit: int) -> int:
     if n is None or not 1 <= n <= limit:
         raise ConfigError(f"{flag} must be an integer in [1, {limit}]; got {value!r}")
     return n
+
+
+def _ms(value: object, name: str, positive: bool) -> float:
+    """Milliseconds: a finite number >= 0 (> 0 when ``positive``), from a number or its text."""
+    flag = "--kda-" + name.replace("_", "-")
+    try:
+        x = float(str(value))
+    except ValueError:
+        x = float("nan")
+    if not (x == x and x != float("inf")) or x < 0 or (positive and x == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{flag} must be a number of milliseconds {bound}; got {value!r}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,14 @@ class KDAConfig:
         SGLang's state pool, ``--max-mamba-cache-size``, which live requests share).
     twins: ``on``: twins (requests sharing an uncached prefix, admitted together) compute it once.
     debug_integrity: ``on``: check tree, state pool and requests after every prefill step.
+    budget: ``serial``: the serial-aware prefill budget (sglang_kda/policy/budget.py) plans every
+        round by predicted time and deadlines (needs ``--kda-policy kda``); ``off``: SGLang's
+        token budgets.
+    itl_target_ms: the round's time budget (0: 1.2x the predicted decode-only step).
+    ttft_deadline_ms / deadline_ms_per_1k_tokens: a prefill's default deadline after arrival.
+    cost_model: file the cost model is loaded from and saved to ("": a cache file per model,
+        device and dtype).
+    reject_infeasible: ``on``: a prefill that cannot meet its deadline even alone gets a 400.
     """
 
     policy: str = "kda"
@@ -59,6 +81,12 @@ class KDAConfig:
     checkpoint_pool_size: int = 0
     twins: str = "on"
     debug_integrity: str = "off"
+    budget: str = "off"
+    itl_target_ms: float = 0.0
+    ttft_deadline_ms: float = 10_000.0
+    deadline_ms_per_1k_tokens: float = 1_000.0
+    cost_model: str = ""
+    reject_infeasible: str = "off"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -91,7 +119,19 @@ class KDAConfig:
                 f"only by the state pool); got {self.checkpoint_pool_size!r}"
             )
         object.__setattr__(self, "checkpoint_pool_size", pool)
-        for name in ("twins", "debug_integrity"):
+        if self.budget not in BUDGETS:
+            raise ConfigError(
+                f"--kda-budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}"
+            )
+        if self.budget == "serial" and self.policy != "kda":
+            raise ConfigError("--kda-budget serial needs --kda-policy kda")
+        for name, lo_open in (
+            ("itl_target_ms", False),
+            ("ttft_deadline_ms", True),
+            ("deadline_ms_per_1k_tokens", False),
+        ):
+            object.__setattr__(self, name, _ms(getattr(self, name), name, lo_open))
+        for name in ("twins", "debug_integrity", "reject_infeasible"):
             if getattr(self, name) not in ("on", "off"):
                 flag = "--kda-" + name.replace("_", "-")
                 raise ConfigError(f"{flag} must be on or off; got {getattr(self, name)!r}")

@@ -103,6 +103,49 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
             "Default: off."
         ),
     )
+    group.add_argument(
+        "--kda-budget",
+        default="off",
+        help=(
+            "'serial': plan every round by predicted time (serial KDA steps, MLA attention, "
+            "per-token cost) and prefill deadlines: decode keeps --kda-itl-target-ms while a "
+            "prefill has slack, slices grow as slack runs out, up to running alone (needs "
+            "--kda-policy kda; turns on mixed decode+prefill rounds). 'off': SGLang's token "
+            "budgets. Default: off."
+        ),
+    )
+    group.add_argument(
+        "--kda-itl-target-ms",
+        default="0",
+        help="Time budget of a round under --kda-budget serial; 0 = 1.2x the predicted "
+        "decode-only step of the running batch. Default: 0.",
+    )
+    group.add_argument(
+        "--kda-ttft-deadline-ms",
+        default="10000",
+        help="Default prefill deadline after arrival (plus --kda-deadline-ms-per-1k-tokens); "
+        "a request overrides it with sampling_params.custom_params.ttft_deadline_ms (OpenAI "
+        "routes: custom_params.ttft_deadline_ms in the body). Default: 10000.",
+    )
+    group.add_argument(
+        "--kda-deadline-ms-per-1k-tokens",
+        default="1000",
+        help="Deadline added per 1,000 prompt tokens. Default: 1000.",
+    )
+    group.add_argument(
+        "--kda-cost-model",
+        default="",
+        help="File the budget's cost model is loaded from (when it exists) and saved to; "
+        "default: a cache file per model, device and dtype under $SGLANG_KDA_CACHE_DIR or "
+        "~/.cache/sglang_kda/cost_model/.",
+    )
+    group.add_argument(
+        "--kda-reject-infeasible",
+        default="off",
+        help="'on': a prefill that cannot meet its deadline even running alone is refused "
+        "with a 400 naming the deadline; 'off': it runs, flagged in the log and "
+        "sglang_kda_budget_infeasible_total. Default: off.",
+    )
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -132,7 +175,9 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
             raise ConfigError(
                 f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
                 "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-twins, "
-                "--kda-debug-integrity)"
+                "--kda-debug-integrity, --kda-budget, --kda-itl-target-ms, "
+                "--kda-ttft-deadline-ms, --kda-deadline-ms-per-1k-tokens, --kda-cost-model, "
+                "--kda-reject-infeasible)"
             )
     config = KDAConfig(
         policy=known.kda_policy,
@@ -142,6 +187,12 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
         checkpoint_pool_size=known.kda_checkpoint_pool_size,
         twins=known.kda_twins,
         debug_integrity=known.kda_debug_integrity,
+        budget=known.kda_budget,
+        itl_target_ms=known.kda_itl_target_ms,
+        ttft_deadline_ms=known.kda_ttft_deadline_ms,
+        deadline_ms_per_1k_tokens=known.kda_deadline_ms_per_1k_tokens,
+        cost_model=known.kda_cost_model,
+        reject_infeasible=known.kda_reject_infeasible,
     )
     return config, rest
 

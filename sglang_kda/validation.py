@@ -92,6 +92,9 @@ def check_int(v: Any, field: str, lo: int | None = None, hi: int | None = None) 
     return v
 
 
+MAX_DEADLINE_MS = 1e9  # custom_params.ttft_deadline_ms: about 11 days
+
+
 def check_number(
     v: Any,
     field: str,
@@ -230,6 +233,16 @@ def check_sampling_params(
         v = get(key)
         if v is not None and not isinstance(v, Mapping):
             raise RequestError(name(key), f"must be an object, got {_show(v)}")
+    custom = get("custom_params")
+    if isinstance(custom, Mapping) and custom.get("ttft_deadline_ms") is not None:
+        # The serial-aware budget's per-request deadline (sglang_kda/policy/budget.py).
+        check_number(
+            custom["ttft_deadline_ms"],
+            name("custom_params") + ".ttft_deadline_ms",
+            0.0,
+            MAX_DEADLINE_MS,
+            lo_open=True,
+        )
     check_logit_bias(get("logit_bias"), name("logit_bias"), limits.vocab_size)
 
 
@@ -378,6 +391,7 @@ def _openai_sampling(req: Mapping[str, Any], max_tokens_key: str) -> dict[str, A
     sp["max_new_tokens"] = req.get(max_tokens_key)
     sp["min_new_tokens"] = req.get("min_tokens")
     sp["sampling_seed"] = req.get("seed")
+    sp["custom_params"] = req.get("custom_params")
     return sp
 
 
