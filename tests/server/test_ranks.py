@@ -9,6 +9,8 @@ prefix-sharing prompts. One server per variant; requests are sent one at a time.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from harness import LOGPROB_ATOL, generate, start_server
 
@@ -32,6 +34,7 @@ LIVE_PATCHES = {"kda_backend", "mla_cpu", "fused_norm_gate", "schedule_policy", 
 def ranked(request, tmp_path_factory, tiny_model_dir):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(THREADS_BIND_ENV, raising=False)  # out of the box
+        mp.delenv("OMP_NUM_THREADS", raising=False)
         server = start_server(
             tmp_path_factory,
             tiny_model_dir,
@@ -49,6 +52,10 @@ def test_launcher_sets_thread_binding_when_ranks_outnumber_numa_nodes(ranked):
         pytest.skip("this machine has a NUMA node per rank: SGLang's default binding applies")
     assert f"set {THREADS_BIND_ENV}=" in log, log[-3000:]
     assert "2 CPU ranks" in log
+    # each rank runs as many compute threads as the launcher gave it cores
+    threads = int(re.search(r"OMP_NUM_THREADS=(\d+)", log).group(1))
+    reports = rank_reports(server.get("/server_info").json())
+    assert [r["threads"]["torch_threads"] for r in reports] == [threads] * 2, reports
 
 
 def test_every_rank_reports_kda_and_the_patches(ranked):
