@@ -85,7 +85,7 @@ ops = st.lists(
             st.integers(0, 5),
             st.integers(1, 80),
             st.lists(st.integers(1, 80), max_size=4),
-        ),  # fmt: skip
+        ),
         st.tuples(st.just("match_lock"), st.integers(0, 5), st.integers(1, 80)),
         st.tuples(st.just("unlock"), st.integers(0, 20)),
         st.tuples(st.just("evict"), st.integers(0, 3), st.integers(0, 40)),
@@ -96,8 +96,11 @@ ops = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=ops, cap_c=st.one_of(st.none(), st.integers(0, 6)),
-       cap_t=st.one_of(st.none(), st.integers(0, 120)))  # fmt: skip
+@given(
+    ops=ops,
+    cap_c=st.one_of(st.none(), st.integers(0, 6)),
+    cap_t=st.one_of(st.none(), st.integers(0, 120)),
+)
 def test_random_sequences_keep_integrity(ops, cap_c, cap_t):
     # Prompts from a few families that share prefixes (family f: tokens f,f,...,then i).
     def seq(fam: int, n: int) -> list[int]:
@@ -136,3 +139,18 @@ def test_random_sequences_keep_integrity(ops, cap_c, cap_t):
     t.integrity(expected_locks=0)
     t.evict(checkpoints=10**9, tokens=10**9)
     assert t.integrity() == {"nodes": 1, "tokens": 0, "checkpoints": 0, "locks": 0}
+
+
+def test_start_and_end_shortcuts_build_the_same_tree():
+    ids = list(range(1000))
+    a, b = RadixTree(), RadixTree()
+    a.insert(ids[:300], [64, 128, 192, 256, 300])
+    a.insert(ids[:700], [320, 384, 448, 512, 576, 640, 700])
+    b.insert(ids, [64, 128, 192, 256, 300], end=300)
+    node = b.match(ids, 300).node
+    assert node.depth == 300
+    b.insert(ids, [64, 320, 384, 448, 512, 576, 640, 700], start=node, end=700)
+    assert a.checkpoint_positions(ids) == b.checkpoint_positions(ids)
+    assert a.n_tokens == b.n_tokens == 700
+    assert b.match(ids, 999, start=node).length == 700
+    b.integrity()

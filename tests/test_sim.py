@@ -72,8 +72,12 @@ def test_kda_cuts_on_grid_and_stock_does_not_have_to():
         res = run(tr, policy=policy, chunked_prefill_size=200)
         ends = [s + n for rd in res.ranks[0].rounds for _, s, n in rd.slices]
         long = [r for r in res.requests if r.rid == "long"][0]
-        inner = [e for rd in res.ranks[0].rounds for rid, s, n in rd.slices
-                 if rid == "long" and (e := s + n) < len(long.ids)]  # fmt: skip
+        inner = [
+            e
+            for rd in res.ranks[0].rounds
+            for rid, s, n in rd.slices
+            if rid == "long" and (e := s + n) < len(long.ids)
+        ]
         assert ends
         if policy == "kda":
             assert all(e % 64 == 0 for e in inner)
@@ -142,8 +146,17 @@ def test_horizon_reports_unfinished():
 
 
 def test_dp_ranks_and_routers():
-    tr = T.agent_multi_turn(agents=4, turns=3, system=600, first_user=100, step_in=80,
-                            step_out=8, forks=2, think_s=0.01, spread_s=0.1)  # fmt: skip
+    tr = T.agent_multi_turn(
+        agents=4,
+        turns=3,
+        system=600,
+        first_user=100,
+        step_in=80,
+        step_out=8,
+        forks=2,
+        think_s=0.01,
+        spread_s=0.1,
+    )
     for router in ("round_robin", "prefix"):
         res = run(tr, policy="kda", dp=3, router=router)
         check_invariants(res, tr)
@@ -190,11 +203,18 @@ def test_random_traces_keep_invariants(seed, policy, chunk, cap):
     reqs = []
     for i in range(rng.randint(1, 10)):
         segs = [(f"p{rng.randint(0, 2)}", rng.randint(1, 400)), (f"x{i}", rng.randint(0, 100))]
-        reqs.append(T.TraceRequest(f"r{i}", rng.randint(1, 6), t=rng.uniform(0, 0.3),
-                                   segments=tuple((n, k) for n, k in segs if k)))  # fmt: skip
+        reqs.append(
+            T.TraceRequest(
+                f"r{i}",
+                rng.randint(1, 6),
+                t=rng.uniform(0, 0.3),
+                segments=tuple((n, k) for n, k in segs if k),
+            )
+        )
     tr = T.Trace(reqs, seed=seed)
-    res = run(tr, policy=policy, chunked_prefill_size=chunk, max_checkpoints=cap,
-              dp=rng.randint(1, 3))  # fmt: skip
+    res = run(
+        tr, policy=policy, chunked_prefill_size=chunk, max_checkpoints=cap, dp=rng.randint(1, 3)
+    )
     check_invariants(res, tr)
     assert not res.unfinished
 

@@ -110,12 +110,23 @@ class RadixTree:
             node = node.parent
 
     @staticmethod
-    def _common(key: tuple, ids: Sequence[int], start: int) -> int:
-        n = min(len(key), len(ids) - start)
-        i = 0
-        while i < n and key[i] == ids[start + i]:
-            i += 1
-        return i
+    def _common(key: tuple, ids: Sequence[int], start: int, stop: int | None = None) -> int:
+        """Length of the common prefix of ``key`` and ``ids[start:stop]`` (slice compares run in
+        C: one for a full match, a binary search otherwise; edges can be 1M tokens long)."""
+        n = min(len(key), (len(ids) if stop is None else stop) - start)
+        if n <= 0 or key[0] != ids[start]:
+            return 0
+        ids = tuple(ids[start : start + n])
+        if key[:n] == ids:
+            return n
+        lo, hi = 1, n - 1  # key[:lo] == ids[:lo]; key[:hi + 1] != ids[:hi + 1]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key[:mid] == ids[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _split(self, node: Node, at: int) -> Node:
         """Split ``node``'s edge after ``at`` tokens; returns the new upper node."""
@@ -137,15 +148,21 @@ class RadixTree:
         return upper
 
     # -- queries ------------------------------------------------------------------------------
-    def match(self, ids: Sequence[int], limit: int | None = None) -> Match:
+    def match(
+        self, ids: Sequence[int], limit: int | None = None, start: Node | None = None
+    ) -> Match:
         """Deepest checkpointed node on ``ids``' path at most ``limit`` tokens deep.
 
         ``limit`` defaults to ``len(ids) - 1``. Touches the matched path (recency).
+        ``start``: a node known to lie on ``ids``' path (e.g. one the request locks); the walk
+        begins there and only checkpoints from it down are considered (a shortcut for long
+        paths: an in-flight request looks for checkpoints past its progress).
         """
         limit = len(ids) - 1 if limit is None else min(limit, len(ids))
-        node, pos = self.root, 0
-        best = self.root
-        kv = 0
+        node = self.root if start is None else start
+        pos = node.depth
+        best = node if node.checkpoint and node.depth <= limit else self.root
+        kv = pos
         while pos < len(ids):
             child = node.children.get(ids[pos])
             if child is None:
@@ -191,31 +208,41 @@ class RadixTree:
         return out
 
     # -- updates ------------------------------------------------------------------------------
-    def insert(self, ids: Sequence[int], checkpoints: Iterable[int] = ()) -> int:
+    def insert(
+        self,
+        ids: Sequence[int],
+        checkpoints: Iterable[int] = (),
+        start: Node | None = None,
+        end: int | None = None,
+    ) -> int:
         """Cache the KV of ``ids`` and checkpoints at the given positions (``0 < p <= len``).
 
         Returns how many checkpoints were new. Enforces the caps afterwards (LRU: what was just
-        inserted is the most recent, evicted only when nothing older can go).
+        inserted is the most recent, evicted only when nothing older can go). ``start``: a node
+        known to lie on ``ids``' path; the walk begins there (marks above it are ignored).
+        ``end``: insert ``ids[:end]`` (without copying a long prompt each round).
         """
         ids = tuple(ids)
-        marks = sorted({int(p) for p in checkpoints if 0 < int(p) <= len(ids)})
+        n_ids = len(ids) if end is None else min(end, len(ids))
+        node = self.root if start is None else start
+        pos = node.depth
+        marks = sorted({int(p) for p in checkpoints if pos < int(p) <= n_ids})
         t = self._tick()
-        node, pos = self.root, 0
         new = 0
         mi = 0
-        while pos < len(ids):
+        while pos < n_ids:
             # The end of this step: the next checkpoint mark or the end of the ids.
             while mi < len(marks) and marks[mi] <= pos:
                 mi += 1
             child = node.children.get(ids[pos])
             if child is None:
-                stop = marks[mi] if mi < len(marks) else len(ids)
+                stop = marks[mi] if mi < len(marks) else n_ids
                 self._serial += 1
                 child = Node(ids[pos:stop], node, depth=stop, last_access=t, serial=self._serial)
                 node.children[ids[pos]] = child
                 self.n_tokens += stop - pos
             else:
-                n = self._common(child.key, ids, pos)
+                n = self._common(child.key, ids, pos, n_ids)
                 stop_mark = marks[mi] - pos if mi < len(marks) else None
                 if stop_mark is not None and stop_mark < n:
                     n = stop_mark

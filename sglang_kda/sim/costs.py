@@ -128,6 +128,15 @@ def _experts_touched(bs: int) -> float:
     return N_EXPERTS * (1.0 - (1.0 - TOP_K / N_EXPERTS) ** bs) if bs > 0 else 0.0
 
 
+def kda_steps_abs(prefix: int, extend: int) -> int:
+    """Serial KDA chunk steps of a slice on the absolute 64-token grid (the kernel's chunks are
+    counted from the sequence start): a slice starting or ending off the grid pays a partial
+    chunk at each such end."""
+    if extend <= 0:
+        return 0
+    return -(-(prefix + extend) // KDA_CHUNK) - prefix // KDA_CHUNK
+
+
 def _moe_decode(bs: int, tp: int) -> float:
     """Expert weights streamed by a decode-only step of ``bs`` tokens."""
     return _experts_touched(bs) * MOE_LAYERS * EXPERT_BYTES / (tp * MOE_DECODE_BPS)
@@ -169,8 +178,9 @@ class KimiLinearH200:
       + decode part: expert weights streamed for the decode tokens (when the batch has no
         prefill), their KDA state reads, and MLA decode attention
         max(latency-bound longest context, bandwidth-bound sum of contexts)
-      + KDA serial: longest slice's 64-token chunk steps x KDA layers x chunk time(tp)
-        (varlen kernel: slices of one batch run side by side)
+      + KDA serial: longest slice's 64-token chunk steps (on the absolute grid,
+        :func:`kda_steps_abs`) x KDA layers x chunk time(tp) (varlen kernel: slices of one
+        batch run side by side)
       + MLA prefill attention: sum c (L + c/2) x 2 x heads x (qk + v dims) x layers
         / (tp x peak x efficiency)
 
@@ -224,7 +234,7 @@ class KimiLinearH200:
             return 0.0
         n_pre = sum(s.extend for s in shape.slices)
         t = self.coef.overhead + self.per_token * n_pre
-        steps = max((-(-s.extend // KDA_CHUNK) for s in shape.slices), default=0)
+        steps = max((kda_steps_abs(s.prefix, s.extend) for s in shape.slices), default=0)
         t += steps * KDA_LAYERS * self.kda_chunk_s()
         t += self._attn_s(sum(attention_work(s.prefix, s.extend) for s in shape.slices))
         bs = len(shape.decode_ctx)
@@ -242,7 +252,7 @@ class KimiLinearH200:
         if end <= start:
             return 0.0
         n = end - start
-        steps = -(-n // KDA_CHUNK)
+        steps = kda_steps_abs(start, n)
         return (
             self.per_token * n
             + steps * KDA_LAYERS * self.kda_chunk_s()

@@ -24,7 +24,10 @@ a round without prefill is one decode step of every running request. After a rou
   plus the chunk end of a request that goes on (SGLang's chunk-end stash);
 * ``stock``: the chunk end of a request that goes on;
 * both: a finished request inserts prompt + output (less the last sampled token) with a
-  checkpoint at its end, and releases its lock.
+  checkpoint (``finished_state``: at the prompt's end by default, as measured on the server),
+  and releases its lock.
+* with ``page_size > 1`` the tree is paged: a checkpoint off a page boundary has no node to
+  live on and is dropped (its KV is still inserted).
 
 Time: each rank has its own clock; a round takes ``cost.predict(shape)`` seconds. The first
 output token of a request is sampled at the end of the round that finishes its prompt; each
@@ -73,6 +76,10 @@ class SimConfig:
     max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
     ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
         tokenizer); counted in its TTFT.
+    finished_state: where the state a finished request leaves in the tree sits: ``prompt``
+        (the end of its prompt; what the CPU server does, measured by benchmark/sim_validate.py:
+        a continuation of a finished prompt is cached up to exactly the prompt's end) or ``end``
+        (prompt + output less the last token, SGLang's nominal rule).
     integrity: run the tree's integrity check after every round.
     """
 
@@ -91,6 +98,7 @@ class SimConfig:
     max_tokens: Optional[int] = None
     ingress_s: float = 0.0
     integrity: bool = False
+    finished_state: str = "prompt"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -100,13 +108,15 @@ class SimConfig:
             raise ValueError("checkpoint_every must be a multiple of the grid")
         if self.aligned_cuts is None:
             self.aligned_cuts = self.policy == "kda"
+        if self.finished_state not in ("prompt", "end"):
+            raise ValueError("finished_state must be 'prompt' or 'end'")
 
     @property
     def kda(self) -> bool:
         return self.policy == "kda"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself (and its ids may be 1M tokens)
 class SimReq:
     rid: str
     ids: tuple
@@ -228,10 +238,13 @@ class Rank:
             for r in pending:
                 self.book.progress(r.rid, r.prefix)
             plan = budget_mod.plan_round(
-                self.cost, cfg.budget, self.now, decode_ctx,
+                self.cost,
+                cfg.budget,
+                self.now,
+                decode_ctx,
                 self.book.pending([r.rid for r in pending]),
                 inflight=self.chunked.rid if self.chunked else None,
-            )  # fmt: skip
+            )
             mode = plan.mode
             if plan.rid is not None:
                 chunk_budget = max(1, plan.tokens)
@@ -251,7 +264,7 @@ class Rank:
         if self.chunked is not None:
             r = self.chunked
             if cfg.kda and cfg.resume_in_flight:
-                m = self.tree.match(r.ids, self._limit(r))
+                m = self.tree.match(r.ids, self._limit(r), start=r.node)
                 if m.length > r.prefix:
                     r.cached_midprefill += m.length - r.prefix
                     r.prefix = m.length
@@ -314,7 +327,7 @@ class Rank:
                     len(dec),
                     tuple((r.rid, s, e - s) for r, s, e in slices),
                     mode,
-                )  # fmt: skip
+                )
             )
 
         # -- after the forward ----------------------------------------------------------------
@@ -331,10 +344,12 @@ class Rank:
                 marks = list(range(first, e + 1, every))
             if unfinished:
                 marks.append(e)  # SGLang's chunk-end stash
+            if cfg.page_size > 1:  # the tree is paged: a state off a page boundary has no node
+                marks = [p for p in marks if p % cfg.page_size == 0]
             if marks:
-                self.tree.insert(r.ids[:e], marks)
+                self.tree.insert(r.ids, marks, start=r.node, end=e)
             if unfinished:
-                node = self.tree.match(r.ids[: e + 1], e).node
+                node = self.tree.match(r.ids, e, start=r.node).node
                 if node.depth == e:
                     self._relock(r, node)
                 self.chunked = r
@@ -367,7 +382,9 @@ class Rank:
         outs = tuple(-(self.id * 10**12 + self.out_counter + k) - 1 for k in range(r.out - 1))
         self.out_counter += r.out
         path = r.ids + outs
-        self.tree.insert(path, [len(path)])
+        at = len(r.ids) if self.cfg.finished_state == "prompt" else len(path)
+        marks = [at] if at % self.cfg.page_size == 0 else []
+        self.tree.insert(path, marks, start=r.node)
         if r.node is not None:
             self.tree.unlock(r.node)
             r.node = None
@@ -436,11 +453,13 @@ def simulate(
     horizon_s: float = math.inf,
     record_rounds: bool = False,
     max_rounds: int = 10_000_000,
+    stop_when_done: Sequence[str] = (),
 ) -> SimResult:
     """Run ``trace`` on ``dp`` ranks with ``cfg`` and the cost model ``cost``.
 
     Every request ends up finished or in ``unfinished`` (still waiting or running at the
-    horizon, or never released because the request it comes after did not finish).
+    horizon or when every request in ``stop_when_done`` has finished, or never released because
+    the request it comes after did not finish).
     """
     trace.validate()
     ranks = [Rank(cfg, cost, i, record_rounds) for i in range(dp)]
@@ -471,7 +490,8 @@ def simulate(
 
     last = 0.0
     rounds = 0
-    while True:
+    watch = [reqs[rid] for rid in stop_when_done]
+    while not (watch and all(r.state == "done" for r in watch)):
         t_arr = heap[0][0] if heap else math.inf
         busy = [rk for rk in ranks if rk.busy]
         t_rank = min((rk.now for rk in busy), default=math.inf)

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 
 @dataclass
 class TraceRequest:
@@ -95,9 +97,9 @@ class Trace:
         """The tokens of segment ``name`` (its first ``length``): a deterministic stream."""
         have = self._seg_cache.get(name)
         if have is None or len(have) < length:
-            rng = random.Random(zlib.crc32(f"{self.seed}:{name}".encode()))
+            rng = np.random.default_rng(zlib.crc32(f"{self.seed}:{name}".encode()))
             lo, hi = self.vocab
-            have = tuple(rng.randrange(lo, hi) for _ in range(max(length, 64)))
+            have = tuple(rng.integers(lo, hi, size=max(length, 64)).tolist())
             self._seg_cache[name] = have
         return have[:length]
 
@@ -121,8 +123,12 @@ class Trace:
     # -- files --------------------------------------------------------------------------------
     def dump(self, path: str | Path) -> None:
         with open(path, "w") as fh:
-            fh.write(json.dumps({"trace": {"vocab": list(self.vocab), "seed": self.seed,
-                                           "name": self.name}}) + "\n")  # fmt: skip
+            fh.write(
+                json.dumps(
+                    {"trace": {"vocab": list(self.vocab), "seed": self.seed, "name": self.name}}
+                )
+                + "\n"
+            )
             for r in self.requests:
                 fh.write(json.dumps(r.to_json()) + "\n")
 
@@ -188,8 +194,7 @@ def multi_turn(convs=3, turns=3, first=300, answer=40, user=60, out=8, think_s=0
             if prev is None:
                 reqs.append(TraceRequest(rid, out, t=0.05 * c, segments=_seg(*segs)))
             else:
-                reqs.append(TraceRequest(rid, out, after=prev, delay=think_s,
-                                         segments=_seg(*segs)))  # fmt: skip
+                reqs.append(TraceRequest(rid, out, after=prev, delay=think_s, segments=_seg(*segs)))
             prev = rid
     return Trace(reqs, seed=seed, name="multi_turn")
 
@@ -212,8 +217,15 @@ def off_grid_divergence(n=5, base=700, lo=300, hi=650, tail=80, out=8, gap_s=1.5
     reqs = [TraceRequest("dv0", out, t=0.0, segments=_seg(("base", base), ("dvtail0", tail)))]
     for i in range(1, n):
         k = _off_grid(rng, lo, hi)
-        reqs.append(TraceRequest(f"dv{i}", out, after=f"dv{i - 1}", delay=gap_s * 0.1,
-                                 segments=_seg(("base", k), (f"dvtail{i}", tail))))  # fmt: skip
+        reqs.append(
+            TraceRequest(
+                f"dv{i}",
+                out,
+                after=f"dv{i - 1}",
+                delay=gap_s * 0.1,
+                segments=_seg(("base", k), (f"dvtail{i}", tail)),
+            )
+        )
     return Trace(reqs, seed=seed, name="off_grid_divergence")
 
 
@@ -221,27 +233,55 @@ def repeats(n=2, length=826, out=8, gap_s=0.1, seed=0):
     """The same prompt ``n`` times, each after the previous one finished."""
     reqs = [TraceRequest("rp0", out, t=0.0, segments=_seg(("rep", length)))]
     for i in range(1, n):
-        reqs.append(TraceRequest(f"rp{i}", out, after=f"rp{i - 1}", delay=gap_s,
-                                 segments=_seg(("rep", length))))  # fmt: skip
+        reqs.append(
+            TraceRequest(
+                f"rp{i}", out, after=f"rp{i - 1}", delay=gap_s, segments=_seg(("rep", length))
+            )
+        )
     return Trace(reqs, seed=seed, name="repeats")
 
 
-def long_among_decodes(streams=4, stream_prompt=64, stream_out=200, long_prompt=6000,
-                       long_at_s=1.0, long_out=4, deadline_s=None, seed=0):  # fmt: skip
+def long_among_decodes(
+    streams=4,
+    stream_prompt=64,
+    stream_out=200,
+    long_prompt=6000,
+    long_at_s=1.0,
+    long_out=4,
+    deadline_s=None,
+    seed=0,
+):
     """``streams`` decode streams (short prompts, long outputs) start at 0; one long prompt
     arrives at ``long_at_s``."""
     reqs = [
         TraceRequest(f"dec{i}", stream_out, t=0.01 * i, segments=_seg((f"s{i}", stream_prompt)))
         for i in range(streams)
     ]
-    reqs.append(TraceRequest("long", long_out, t=long_at_s, segments=_seg(("longp", long_prompt)),
-                             deadline_s=deadline_s))  # fmt: skip
+    reqs.append(
+        TraceRequest(
+            "long",
+            long_out,
+            t=long_at_s,
+            segments=_seg(("longp", long_prompt)),
+            deadline_s=deadline_s,
+        )
+    )
     return Trace(reqs, seed=seed, name="long_among_decodes")
 
 
-def agent_multi_turn(agents=16, turns=6, system=8000, first_user=2000, step_in=1500,
-                     step_out=300, fork_every=3, forks=4, think_s=2.0, spread_s=10.0,
-                     seed=0):  # fmt: skip
+def agent_multi_turn(
+    agents=16,
+    turns=6,
+    system=8000,
+    first_user=2000,
+    step_in=1500,
+    step_out=300,
+    fork_every=3,
+    forks=4,
+    think_s=2.0,
+    spread_s=10.0,
+    seed=0,
+):
     """Agents sharing one long system prompt; each turn appends the previous answer and a tool
     result; every ``fork_every``-th turn the agent forks ``forks`` branches (a burst of twins
     sharing the whole context so far)."""
@@ -259,9 +299,14 @@ def agent_multi_turn(agents=16, turns=6, system=8000, first_user=2000, step_in=1
             reqs.append(TraceRequest(rid, step_out, segments=_seg(*segs), **kw))
             if fork_every and k % fork_every == fork_every - 1:
                 for f in range(forks):
-                    reqs.append(TraceRequest(f"{rid}.f{f}", step_out // 2,
-                                             segments=_seg(*segs, (f"{rid}.br{f}", 50)),
-                                             **kw))  # fmt: skip
+                    reqs.append(
+                        TraceRequest(
+                            f"{rid}.f{f}",
+                            step_out // 2,
+                            segments=_seg(*segs, (f"{rid}.br{f}", 50)),
+                            **kw,
+                        )
+                    )
             prev = rid
     return Trace(reqs, seed=seed, name="agent_multi_turn")
 

@@ -1,0 +1,433 @@
+"""The scheduler simulator at production scale: Kimi-Linear-48B-A3B on H200 (sglang_kda.sim).
+
+One command per experiment (CSV + PNG in ``benchmark/results/sim/``)::
+
+    .venv/bin/python benchmark/sim_scale.py slices     # 1M-token prompt among decode streams, TP8
+    .venv/bin/python benchmark/sim_scale.py cuts       # aligned vs arbitrary cuts at 1M
+    .venv/bin/python benchmark/sim_scale.py agents     # multi-turn agents on 8 DP ranks
+    .venv/bin/python benchmark/sim_scale.py all
+
+Cost model: :class:`sglang_kda.sim.costs.KimiLinearH200` (published-number checks in
+``tests/test_sim_costs.py``). Page size 64 (FlashMLA's paged KV block), so the checkpoint grid
+is 64 and the tree is paged.
+
+``slices``: N decode streams (2,000-token prompts) decode from t=0; a 1,048,576-token prompt
+arrives at t=2 s. Reported: the long prompt's TTFT and the decode streams' ITL p50/p99 over the
+tokens emitted while it prefills. Stock SGLang at per-round slice sizes
+(``--chunked-prefill-size``), without and with ``--enable-mixed-chunk``; this project's
+serial-aware budget (``sglang_kda.policy.budget``) at several ITL targets (deadline generous)
+and several TTFT deadlines (ITL target default: 1.2x the decode-only step).
+
+``cuts``: a 1M-token document prefilled in rounds of 10,000 tokens (not a multiple of 64) with
+cuts on the grid (9,984-ish, ``grid.aligned_chunk_len``) vs at the arbitrary token count;
+checkpoints every 4,096 tokens plus chunk ends (a chunk end off the page grid cannot be
+stored). Then follow-up requests sharing the first p tokens (p random, off the grid) with new
+questions, and one twin arriving mid-prefill. Reported: replayed tokens (KV cached, recomputed
+for lack of a state), prefill tokens computed, the document's TTFT and the follow-ups' TTFT.
+
+``agents``: multi-turn agents sharing an 8k-token system prompt, growing contexts, bursts of
+forks, on 8 DP ranks (TP1 each, 8 H200s) behind a round-robin or a prefix-aware router; the
+checkpoint pool and KV capacity per rank from the H200's memory (``memory_plan``). Reported:
+prefill tokens computed, TTFT p50/p99, stock vs this project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sglang_kda.policy.budget import BudgetConfig  # noqa: E402
+from sglang_kda.sim import trace as T  # noqa: E402
+from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402
+from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
+from sglang_kda.sim.metrics import percentile, summarize  # noqa: E402
+
+OUT = REPO / "benchmark" / "results" / "sim"
+PAGE = 64
+LONG = 1 << 20
+
+
+def write_csv(name: str, rows: list[dict]) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.csv"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    return path
+
+
+# --- 1M prompt among decode streams --------------------------------------------------------------
+
+
+def slices_trace(streams: int) -> T.Trace:
+    reqs = [
+        T.TraceRequest(f"dec{i}", 1_000_000, t=0.001 * i, segments=((f"s{i}", 2000),))
+        for i in range(streams)
+    ]
+    reqs.append(T.TraceRequest("long", 1, t=2.0, segments=(("doc", LONG),)))
+    return T.Trace(reqs, vocab=(0, 160000), name=f"long1m_{streams}")
+
+
+def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
+    tr = slices_trace(streams)
+    t0 = time.monotonic()
+    res = simulate(tr, cfg, model, stop_when_done=["long"])
+    long = next(r for r in res.requests if r.rid == "long")
+    a, b = long.arrival, long.token_times[0]
+    # Decode ITLs while the long prompt prefills: every gap between two tokens of a stream
+    # that ends inside (a, b], plus the open gap from a stream's last token to b (the
+    # simulation stops at b: a stream starved until then has waited at least that long).
+    itls, starved = [], 0
+    for r in res.requests:
+        if r.rid == "long":
+            continue
+        ts = r.token_times
+        inside = [y - x for x, y in zip(ts, ts[1:], strict=False) if a < y <= b]
+        if not inside:
+            starved += 1
+        last = ts[-1] if ts else a
+        if last < b:
+            inside.append(b - max(last, a) if last >= a else b - last)
+        itls += inside
+    row = {
+        **label,
+        "streams": streams,
+        "long_ttft_s": long.ttft,
+        "itl_p50_ms": percentile(itls, 50) * 1e3,
+        "itl_p99_ms": percentile(itls, 99) * 1e3,
+        "itl_max_ms": max(itls) * 1e3 if itls else math.nan,
+        "starved_streams": starved,
+        "rounds": res.ranks[0].n_rounds,
+        "sim_wall_s": round(time.monotonic() - t0, 2),
+    }
+    book = res.ranks[0].book
+    if book is not None:
+        row["deadline_met"] = book.stats.met
+        row["deadline_missed"] = book.stats.missed
+    print(
+        f"[slices] {label} N={streams}: TTFT {row['long_ttft_s']:.1f}s, ITL p50 "
+        f"{row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms ({row['sim_wall_s']}s)",
+        flush=True,
+    )
+    return row
+
+
+def exp_slices(args) -> None:
+    model = KimiLinearH200(8)
+    rows = []
+    for n in args.streams:
+        for s in args.slice_sizes:
+            base = dict(
+                chunked_prefill_size=s,
+                page_size=PAGE,
+                max_running_requests=1024,
+                checkpoint_every=4096,
+            )
+            rows.append(
+                slice_run(
+                    n,
+                    SimConfig(policy="stock", **base),
+                    model,
+                    {"policy": "stock", "axis": "slice", "x": s},
+                )
+            )
+            if s in args.mixed_sizes:
+                rows.append(
+                    slice_run(
+                        n,
+                        SimConfig(policy="stock", enable_mixed_chunk=True, **base),
+                        model,
+                        {"policy": "stock+mixed", "axis": "slice", "x": s},
+                    )
+                )
+        kbase = dict(
+            chunked_prefill_size=32768,
+            page_size=PAGE,
+            max_running_requests=1024,
+            checkpoint_every=4096,
+        )
+        for itl in args.itl_targets_ms:
+            bc = BudgetConfig(
+                itl_target_s=itl / 1e3,
+                ttft_deadline_s=3600,
+                deadline_s_per_1k=0,
+                grid=PAGE,
+                max_slice=32768,
+            )
+            rows.append(
+                slice_run(
+                    n,
+                    SimConfig(policy="kda", budget=bc, **kbase),
+                    model,
+                    {"policy": "kda", "axis": "itl_target_ms", "x": itl},
+                )
+            )
+        for dl in args.deadlines_s:
+            bc = BudgetConfig(
+                itl_target_s=None,
+                ttft_deadline_s=dl,
+                deadline_s_per_1k=0,
+                grid=PAGE,
+                max_slice=32768,
+            )
+            rows.append(
+                slice_run(
+                    n,
+                    SimConfig(policy="kda", budget=bc, **kbase),
+                    model,
+                    {"policy": "kda", "axis": "deadline_s", "x": dl},
+                )
+            )
+    write_csv("long1m_slices", rows)
+    plot_slices(rows)
+
+
+def plot_slices(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = sorted({r["streams"] for r in rows})
+    fig, axes = plt.subplots(len(ns), 2, figsize=(12, 4.2 * len(ns)), squeeze=False)
+    for i, n in enumerate(ns):
+        ax_t, ax_i = axes[i]
+        for pol, mk in (("stock", "o-"), ("stock+mixed", "s--"), ("kda", "^-")):
+            for axis in ("slice", "itl_target_ms", "deadline_s"):
+                pts = [
+                    r
+                    for r in rows
+                    if r["streams"] == n and r["policy"] == pol and r["axis"] == axis
+                ]
+                if not pts:
+                    continue
+                lab = f"{pol} ({axis})"
+                ttft = [r["long_ttft_s"] for r in pts]
+                ax_t.plot(ttft, [r["itl_p99_ms"] for r in pts], mk, label=lab + " p99")
+                ax_t.plot(ttft, [r["itl_p50_ms"] for r in pts], mk, alpha=0.4, label=lab + " p50")
+                for r in pts:
+                    ax_t.annotate(str(r["x"]), (r["long_ttft_s"], r["itl_p99_ms"]), fontsize=7)
+                if axis == "slice":
+                    ax_i.plot([r["x"] for r in pts], ttft, mk, label=f"{pol} TTFT")
+        ax_t.set_xlabel("1M-token prompt TTFT (s)")
+        ax_t.set_ylabel("decode ITL during the prefill (ms)")
+        ax_t.set_yscale("log")
+        ax_t.set_title(
+            f"H200 TP8, {n} decode streams: TTFT vs ITL (labels: slice / target / deadline)"
+        )
+        ax_t.legend(fontsize=6)
+        ax_i.set_xscale("log", base=2)
+        ax_i.set_xlabel("stock per-round slice (tokens)")
+        ax_i.set_ylabel("1M-token prompt TTFT (s)")
+        ax_i.set_title("stock: TTFT vs slice size")
+        ax_i.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "long1m_slices.png", dpi=110)
+    plt.close(fig)
+
+
+# --- aligned vs arbitrary cuts ------------------------------------------------------------------
+
+
+def cuts_trace(followers: int, seed: int) -> T.Trace:
+    rng = random.Random(seed)
+    reqs = [T.TraceRequest("doc", 8, t=0.0, segments=(("doc", LONG), ("q0", 200)))]
+    # A twin arriving mid-prefill: shares the whole document.
+    reqs.append(T.TraceRequest("twin", 8, t=8.0, segments=(("doc", LONG), ("qt", 200))))
+    prev = "doc"
+    for i in range(followers):
+        while (p := rng.randint(LONG // 8, LONG - 1)) % PAGE == 0:
+            pass
+        reqs.append(
+            T.TraceRequest(
+                f"f{i}", 8, after=prev, delay=0.5, segments=(("doc", p), (f"q{i + 1}", 500))
+            )
+        )
+        prev = f"f{i}"
+    return T.Trace(reqs, vocab=(0, 160000), name="cuts1m")
+
+
+def exp_cuts(args) -> None:
+    model = KimiLinearH200(8)
+    plan = model.memory_plan()
+    rows = []
+    for aligned in (True, False):
+        cfg = SimConfig(
+            policy="kda",
+            chunked_prefill_size=args.cut_slice,
+            page_size=PAGE,
+            aligned_cuts=aligned,
+            checkpoint_every=args.cut_every,
+            max_checkpoints=plan["checkpoints"],
+            max_tokens=plan["kv_tokens"],
+        )
+        tr = cuts_trace(args.followers, args.seed)
+        res = simulate(tr, cfg, model)
+        by = {r.rid: r for r in res.requests}
+        fol = [by[f"f{i}"] for i in range(args.followers)]
+        row = {
+            "cuts": "aligned" if aligned else "arbitrary",
+            "slice": args.cut_slice,
+            "checkpoint_every": args.cut_every,
+            "doc_ttft_s": by["doc"].ttft,
+            "twin_ttft_s": by["twin"].ttft,
+            "twin_prefill_tokens": by["twin"].computed,
+            "followers_replayed_tokens": sum(r.kv_recomputed for r in fol),
+            "followers_prefill_tokens": sum(r.computed for r in fol),
+            "followers_ttft_p50_s": percentile([r.ttft for r in fol], 50),
+            "followers_ttft_mean_s": sum(r.ttft for r in fol) / len(fol),
+            "prefill_tokens": summarize(res)["prefill_tokens"],
+            "checkpoints_held": res.ranks[0].tree.n_checkpoints,
+        }
+        rows.append(row)
+        print(f"[cuts] {row}", flush=True)
+    write_csv("cuts1m", rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    labels = [r["cuts"] for r in rows]
+    for ax, key, title in (
+        (axes[0], "followers_replayed_tokens", "replayed tokens (followers)"),
+        (axes[1], "followers_ttft_mean_s", "follower TTFT mean (s)"),
+        (axes[2], "doc_ttft_s", "1M document TTFT (s)"),
+    ):
+        ax.bar(labels, [r[key] for r in rows], color=["tab:green", "tab:red"])
+        ax.set_title(title)
+    fig.suptitle(
+        f"H200 TP8, 1M-token document, {args.cut_slice}-token rounds, checkpoints "
+        f"every {args.cut_every} + chunk ends"
+    )
+    fig.tight_layout()
+    fig.savefig(OUT / "cuts1m.png", dpi=110)
+    plt.close(fig)
+
+
+# --- agents on 8 DP ranks -------------------------------------------------------------------------
+
+
+def exp_agents(args) -> None:
+    model = KimiLinearH200(1)
+    plan = model.memory_plan()
+    tr = T.agent_multi_turn(
+        agents=args.agents,
+        turns=args.turns,
+        system=8000,
+        first_user=2000,
+        step_in=1500,
+        step_out=300,
+        fork_every=3,
+        forks=4,
+        think_s=2.0,
+        spread_s=20.0,
+        seed=args.seed,
+    )
+    tr.vocab = (0, 160000)
+    rows = []
+    for policy in ("stock", "kda"):
+        for router in ("round_robin", "prefix"):
+            cfg = SimConfig(
+                policy=policy,
+                chunked_prefill_size=16384,
+                page_size=PAGE,
+                checkpoint_every=args.agent_every if policy == "kda" else 0,
+                max_checkpoints=plan["checkpoints"],
+                max_tokens=plan["kv_tokens"],
+                max_running_requests=256,
+            )
+            t0 = time.monotonic()
+            res = simulate(tr, cfg, model, dp=8, router=router)
+            s = summarize(res)
+            row = {
+                "policy": policy,
+                "router": router,
+                "dp": 8,
+                "tp": 1,
+                "checkpoint_pool": plan["checkpoints"],
+                "kv_tokens": plan["kv_tokens"],
+                **{
+                    k: s[k]
+                    for k in (
+                        "requests",
+                        "finished",
+                        "prompt_tokens",
+                        "prefill_tokens",
+                        "cached_tokens",
+                        "ttft_p50_ms",
+                        "ttft_p99_ms",
+                        "itl_p50_ms",
+                        "itl_p99_ms",
+                        "duration_s",
+                        "twin_waits",
+                        "checkpoints_evicted",
+                    )
+                },
+            }
+            rows.append(row)
+            print(
+                f"[agents] {policy}/{router}: prefill {s['prefill_tokens']} of "
+                f"{s['prompt_tokens']}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 "
+                f"{s['ttft_p99_ms']:.0f} ms ({time.monotonic() - t0:.1f}s)",
+                flush=True,
+            )
+    write_csv("agents_dp8", rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    labels = [f"{r['policy']}\n{r['router']}" for r in rows]
+    colors = ["tab:gray" if r["policy"] == "stock" else "tab:blue" for r in rows]
+    for ax, key, title in (
+        (axes[0], "prefill_tokens", "prefill tokens computed"),
+        (axes[1], "ttft_p50_ms", "TTFT p50 (ms)"),
+        (axes[2], "ttft_p99_ms", "TTFT p99 (ms)"),
+    ):
+        ax.bar(labels, [r[key] for r in rows], color=colors)
+        ax.set_title(title)
+    fig.suptitle(
+        f"{args.agents} agents x {args.turns} turns, forks of 4, 8 DP ranks of "
+        "Kimi-Linear-48B on one H200 each"
+    )
+    fig.tight_layout()
+    fig.savefig(OUT / "agents_dp8.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment", choices=["slices", "cuts", "agents", "all"])
+    ap.add_argument("--streams", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--slice-sizes", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--mixed-sizes", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--itl-targets-ms", type=float, nargs="+", default=[15, 25, 50, 100])
+    ap.add_argument("--deadlines-s", type=float, nargs="+", default=[40, 60, 120])
+    ap.add_argument("--cut-slice", type=int, default=10000)
+    ap.add_argument("--cut-every", type=int, default=4096)
+    ap.add_argument("--followers", type=int, default=16)
+    ap.add_argument("--agents", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--agent-every", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    exps = ["slices", "cuts", "agents"] if args.experiment == "all" else [args.experiment]
+    for e in exps:
+        {"slices": exp_slices, "cuts": exp_cuts, "agents": exp_agents}[e](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

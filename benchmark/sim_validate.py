@@ -1,0 +1,453 @@
+"""Validate the scheduler simulator against the real CPU server on the same traces.
+
+One command (a few minutes on the 2-core machine)::
+
+    .venv/bin/python benchmark/sim_validate.py                 # kda policy
+    .venv/bin/python benchmark/sim_validate.py --policies stock,kda
+
+For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model,
+``--chunked-prefill-size 256``, FCFS), then
+
+1. **calibrates** the CPU cost model on that server: prompts of several lengths alone
+   (``max_new_tokens 1``: TTFT = the sum of its prefill rounds + a fixed per-request
+   ingress/egress cost) and decode streams at batch 1 and 4 (ITL = one decode round); the
+   coefficients of :class:`sglang_kda.policy.cost_model.CostModel` (the budget's cost model, the
+   simulator's clock) plus the per-request fixed cost are fitted by non-negative least squares;
+2. runs each validation trace (``sglang_kda.sim.trace`` generators: shared prefix, multi-turn,
+   twin bursts, off-grid divergence, repeats, long prompt among decode streams) against the
+   server (``/flush_cache`` before each; the client honours arrival times and ``after``
+   dependencies, streams ``/generate`` with ``input_ids``) and in the simulator with the fitted
+   cost model;
+3. prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
+   TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
+   ``meta_info``) and cached tokens, server vs simulator, with the relative error; and ends with
+   ``simulator vs server: worst latency error X%; token counts identical: yes/no``.
+
+Latency errors are computed on the p50 figures and the p99 figures (``--latency-metrics``);
+both are listed in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from sglang_kda.policy.cost_model import (  # noqa: E402
+    BatchShape,
+    Coefficients,
+    CostModel,
+    Slice,
+    nnls,
+)
+from sglang_kda.sim import trace as T  # noqa: E402
+from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS  # noqa: E402
+from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
+from sglang_kda.sim.metrics import percentile, summarize  # noqa: E402
+
+CHUNK = 256
+OUT_DIR = REPO / "benchmark" / "results" / "sim"
+
+
+# --- server ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, policy: str, extra: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = REPO / "models" / "tiny-kimi-linear"
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_kda.launch_server",
+            "--port",
+            str(self.port),
+            "--kda-policy",
+            policy,
+            *extra,
+        ]
+        if model.exists():
+            cmd += ["--model-path", str(model)]
+        env = dict(os.environ)
+        env.pop("SGLANG_USE_CPU_ENGINE", None)
+        self.log = log
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            t0 = time.monotonic()
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited; see {log}")
+                if time.monotonic() - t0 > 600:
+                    raise TimeoutError(f"server not ready; see {log}")
+                try:
+                    if requests.get(self.url + "/health_generate", timeout=30).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                time.sleep(2)
+            print(f"[{policy}] server ready in {time.monotonic() - t0:.0f}s", flush=True)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._fh.close()
+
+    def flush(self) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if requests.post(self.url + "/flush_cache", timeout=60).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("/flush_cache refused")
+
+
+# --- client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Real:
+    rid: str
+    ids: tuple
+    arrival: float = 0.0
+    token_times: list = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def itls(self) -> list:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+async def _one(session, url: str, rec: Real, out: int, t0: float) -> None:
+    payload = {
+        "input_ids": list(rec.ids),
+        "sampling_params": {"max_new_tokens": out, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    rec.arrival = time.perf_counter() - t0
+    seen = 0
+    meta: dict = {}
+    async with session.post(url + "/generate", json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"/generate {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            now = time.perf_counter() - t0
+            meta = chunk.get("meta_info", meta)
+            n = int(meta.get("completion_tokens", seen + 1))
+            rec.token_times.extend([now] * max(0, n - seen))
+            seen = max(seen, n)
+    rec.prompt_tokens = int(meta.get("prompt_tokens", len(rec.ids)))
+    rec.cached_tokens = int(meta.get("cached_tokens", 0))
+
+
+async def run_trace(url: str, trace: T.Trace) -> dict[str, Real]:
+    import aiohttp
+
+    recs = {r.id: Real(r.id, trace.prompt(r)) for r in trace.requests}
+    done = {r.id: asyncio.Event() for r in trace.requests}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+
+        async def go(r: T.TraceRequest) -> None:
+            if r.after is not None:
+                await done[r.after].wait()
+                await asyncio.sleep(r.delay)
+            else:
+                await asyncio.sleep(max(0.0, r.t - (time.perf_counter() - t0)))
+            try:
+                await _one(session, url, recs[r.id], r.out, t0)
+            finally:
+                done[r.id].set()
+
+        await asyncio.gather(*(go(r) for r in trace.requests))
+    return recs
+
+
+def real_summary(recs: dict[str, Real]) -> dict:
+    rs = list(recs.values())
+    ttfts = [r.ttft for r in rs]
+    itls = [x for r in rs for x in r.itls]
+    return {
+        "prefill_tokens": sum(r.prompt_tokens - r.cached_tokens for r in rs),
+        "cached_tokens": sum(r.cached_tokens for r in rs),
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "itl_p50_ms": percentile(itls, 50) * 1e3,
+        "itl_p99_ms": percentile(itls, 99) * 1e3,
+    }
+
+
+# --- calibration -------------------------------------------------------------------------------
+
+CAL_LENGTHS = (64, 256, 700, 1500, 2600)
+CAL_STREAMS = ((1, 64), (4, 64), (1, 1500), (4, 1500))  # (batch, prompt tokens)
+CAL_STREAM_OUT = 16
+
+
+def calibration_trace() -> tuple[T.Trace, T.Trace]:
+    alone = []
+    prev = None
+    for i, n in enumerate(CAL_LENGTHS * 2):
+        kw = dict(t=0.0) if prev is None else dict(after=prev, delay=0.2)
+        alone.append(T.TraceRequest(f"cal{i}", 1, segments=((f"cal{i}", n),), **kw))
+        prev = f"cal{i}"
+    streams = []
+    prev = None
+    for g, (bs, n) in enumerate(CAL_STREAMS):
+        # Each group starts when the previous group's first stream is done (no overlap).
+        for j in range(bs):
+            kw = dict(t=0.001 * j) if prev is None else dict(after=prev, delay=0.5 + 0.001 * j)
+            streams.append(
+                T.TraceRequest(f"st{g}.{j}", CAL_STREAM_OUT, segments=((f"st{g}.{j}", n),), **kw)
+            )
+        prev = f"st{g}.{bs - 1}"
+    return T.Trace(alone, name="cal_alone"), T.Trace(streams, name="cal_streams")
+
+
+def fit_cpu_model(alone: dict[str, Real], streams: dict[str, Real]) -> tuple[CostModel, float]:
+    base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+    rows, ys = [], []
+    for r in alone.values():
+        n = len(r.ids)
+        f = np.zeros(5)
+        done = 0
+        while done < n:
+            c = min(CHUNK, n - done)
+            f += base.features(BatchShape((), (Slice(done, c),)))
+            done += c
+        rows.append(np.append(f, 1.0))
+        ys.append(r.ttft)
+    for g, (bs, n) in enumerate(CAL_STREAMS):
+        group = [r for k, r in streams.items() if k.startswith(f"st{g}.")]
+        # The decode rounds where all bs streams run: the middle of the group's ITLs.
+        f = base.features(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
+        for r in group:
+            itl = r.itls[2:-2] or r.itls
+            rows.append(np.append(f, 0.0))
+            ys.append(float(np.median(itl)))
+    x, y = np.array(rows), np.array(ys)
+    w = 1.0 / y
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
+    v = nnls(x * w[:, None] / scale, y * w) / scale
+    model = CostModel(Coefficients.from_vector(v[:5]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+    pred = x @ v
+    err = np.abs(pred - y) / y
+    print(
+        f"[cal] coefficients {model.coef}, per-request fixed {v[5] * 1e3:.1f} ms; "
+        f"fit error mean {err.mean():.1%}, max {err.max():.1%}",
+        flush=True,
+    )
+    return model, float(v[5])
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+def workloads(quick: bool) -> dict[str, T.Trace]:
+    w = {
+        "shared_prefix": T.shared_prefix(groups=3, per_group=3, prefix=700, suffix=100, gap_s=0.3),
+        # 20 output tokens (> 16, SGLang's ReplaySSM ring length): where a finished request's
+        # state sits (the prompt's end, or later) shows in the next turn's cached tokens.
+        "multi_turn": T.multi_turn(convs=3, turns=3, out=20),
+        "twin_bursts": T.twin_bursts(bursts=2, size=4),
+        "off_grid_divergence": T.off_grid_divergence(n=5),
+        "repeats": T.repeats(n=3),
+        "long_among_decodes": T.long_among_decodes(
+            streams=4, stream_prompt=64, stream_out=120, long_prompt=3000, long_at_s=0.5
+        ),
+    }
+    if quick:
+        w["shared_prefix"] = T.shared_prefix(groups=2, per_group=3, prefix=700, suffix=100)
+        w["long_among_decodes"] = T.long_among_decodes(
+            streams=4, stream_prompt=64, stream_out=80, long_prompt=2000, long_at_s=0.5
+        )
+    return w
+
+
+LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+TOKENS = ("prefill_tokens", "cached_tokens")
+
+
+def compare(name: str, policy: str, real: dict, sim: dict) -> list[dict]:
+    rows = []
+    for k in TOKENS + LATENCY:
+        a, b = real[k], sim[k]
+        err = abs(b - a) / a if a else (0.0 if b == a else float("inf"))
+        rows.append(
+            {"workload": name, "policy": policy, "metric": k, "server": a, "sim": b, "error": err}
+        )
+    return rows
+
+
+def run_policy(policy: str, args, tmp: Path) -> list[dict]:
+    extra = [
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--schedule-policy",
+        "fcfs",
+        "--enable-metrics",
+        *args.server_args,
+    ]
+    server = Server(policy, extra, tmp / f"{policy}.log")
+    rows = []
+    try:
+        # Warm-up (one-time costs), then calibration.
+        asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
+        server.flush()
+        cal_alone, cal_streams = calibration_trace()
+        ra = asyncio.run(run_trace(server.url, cal_alone))
+        server.flush()
+        rs = asyncio.run(run_trace(server.url, cal_streams))
+        model, fixed = fit_cpu_model(ra, rs)
+        model.save(
+            OUT_DIR / f"cpu_cost_model_{policy}.json",
+            key=f"tiny-cpu-{policy}",
+            extra={"per_request_fixed_s": fixed},
+        )
+        cfg = SimConfig(
+            policy=policy,
+            chunked_prefill_size=CHUNK,
+            max_prefill_tokens=131072,
+            ingress_s=fixed,
+            integrity=True,
+        )
+        for name, tr in workloads(args.quick).items():
+            server.flush()
+            t0 = time.monotonic()
+            real = asyncio.run(run_trace(server.url, tr))
+            res = simulate(tr, cfg, model)
+            sim = summarize(res)
+            rsum = real_summary(real)
+            rows += compare(name, policy, rsum, sim)
+            # Per-request token differences, for diagnosis.
+            simr = {r.rid: r for r in res.requests}
+            diff = [
+                (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
+                for rid, r in real.items()
+                if r.prompt_tokens - r.cached_tokens != simr[rid].computed
+            ]
+            print(
+                f"[{policy}] {name}: prefill server {rsum['prefill_tokens']} sim "
+                f"{sim['prefill_tokens']}; TTFT p50 {rsum['ttft_p50_ms']:.0f} vs "
+                f"{sim['ttft_p50_ms']:.0f} ms, p99 {rsum['ttft_p99_ms']:.0f} vs "
+                f"{sim['ttft_p99_ms']:.0f}; ITL p50 {rsum['itl_p50_ms']:.1f} vs "
+                f"{sim['itl_p50_ms']:.1f}, p99 {rsum['itl_p99_ms']:.1f} vs "
+                f"{sim['itl_p99_ms']:.1f} ({time.monotonic() - t0:.0f}s)"
+                + (f"; token diffs (rid, server, sim): {diff[:6]}" if diff else ""),
+                flush=True,
+            )
+    finally:
+        server.stop()
+    return rows
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.1%}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with open(OUT_DIR / "validate.csv", "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    lines = ["| workload | policy | metric | server | sim | error |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b = r["server"], r["sim"]
+        sa = f"{a:.1f}" if isinstance(a, float) else str(a)
+        sb = f"{b:.1f}" if isinstance(b, float) else str(b)
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r['metric']} | {sa} | {sb} | {r['error']:.1%} |"
+        )
+    lat = [r["error"] for r in rows if r["metric"] in latency_metrics]
+    worst = max(lat) if lat else float("nan")
+    same = all(r["server"] == r["sim"] for r in rows if r["metric"] in TOKENS)
+    verdict = (
+        f"simulator vs server: worst latency error {worst * 100:.1f}%; "
+        f"token counts identical: {'yes' if same else 'no'}"
+    )
+    (OUT_DIR / "validate.md").write_text("\n".join(lines) + "\n\n" + verdict + "\n")
+    print("\n".join(lines))
+    return verdict
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="kda")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--latency-metrics", default=",".join(LATENCY))
+    ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for policy in args.policies.split(","):
+            try:
+                rows += run_policy(policy, args, tmp)
+            except Exception:
+                log = tmp / f"{policy}.log"
+                if log.exists():
+                    print(log.read_text()[-3000:], file=sys.stderr)
+                raise
+    verdict = write(rows, tuple(args.latency_metrics.split(",")))
+    print(verdict)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
