@@ -174,13 +174,44 @@ def fit(rows: list[dict]) -> dict:
     }
 
 
-def all_fits(chunks: list[dict]) -> list[dict]:
+def cpu_fit(prompts: list[dict], chunks: list[dict]) -> dict:
+    """Least squares over whole prompts of the scheduler's CPU seconds (less sensitive to other
+    load on the machine than wall time): cpu = fixed * rounds + a * tokens + b * sum(extend *
+    prefix). Same units as :func:`fit`, but CPU time of all the scheduler's threads."""
+    import numpy as np
+
+    xs, ys = [], []
+    for p in prompts:
+        if p.get("status") != 200 or "scheduler_cpu_s" not in p:
+            continue
+        key = (p["policy"], p["chunk_size"], p["prompt_len"])
+        rows = [c for c in chunks if (c["policy"], c["chunk_size"], c["prompt_len"]) == key]
+        if not rows:
+            continue
+        xs.append([len(rows), sum(r["extend"] for r in rows),
+                   sum(r["extend"] * r["prefix"] for r in rows)])  # fmt: skip
+        ys.append(p["scheduler_cpu_s"])
+    if len(xs) < 4 or len({p["chunk_size"] for p in prompts}) < 2:
+        return {}
+    coef, *_ = np.linalg.lstsq(np.array(xs, dtype=float), np.array(ys), rcond=None)
+    return {
+        "fixed_ms": coef[0] * 1e3,
+        "per_token_us": coef[1] * 1e6,
+        "per_token_per_1k_prefix_us": coef[2] * 1e9,
+    }
+
+
+def all_fits(chunks: list[dict], prompts: list[dict] | None = None) -> list[dict]:
     fits = []
     for policy in sorted({c["policy"] for c in chunks}):
         f = fit([c for c in chunks if c["policy"] == policy])
         if f:
-            fits.append({"policy": policy, "chunk_size": "all", **f})
-            print(f"[fit] {policy}: {f}", flush=True)
+            fits.append({"policy": policy, "chunk_size": "all", "basis": "round wall", **f})
+            print(f"[fit] {policy} round wall time: {f}", flush=True)
+        f = cpu_fit([p for p in prompts or [] if p["policy"] == policy], chunks)
+        if f:
+            fits.append({"policy": policy, "chunk_size": "all", "basis": "scheduler CPU", **f})
+            print(f"[fit] {policy} scheduler CPU: {f}", flush=True)
     return fits
 
 
@@ -362,8 +393,11 @@ def merge(out: Path) -> None:
         for f in sorted(out.glob(f"{kind}_*.csv")) if kind != "fits" else []:
             rows += read_csv(f)
         data[kind] = rows
-    kda = {r["chunk_size"]: r for r in data["kda"]}
-    data["fits"] = all_fits(data["chunks"])
+    kda = {}
+    for r in data["kda"]:  # least disturbed (fastest) of the runs' timings
+        if r["chunk_size"] not in kda or r["kda_wall_s"] < kda[r["chunk_size"]]["kda_wall_s"]:
+            kda[r["chunk_size"]] = r
+    data["fits"] = all_fits(data["chunks"], data["prompts"])
     write_csv(out / "fits.csv", data["fits"])
     plot(out, data["chunks"], data["prompts"], data["rss"], list(kda.values()))
     lines = [
@@ -378,11 +412,11 @@ def merge(out: Path) -> None:
             f"{p['mla_wall_s']:.1f} | {p['idle_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | "
             f"{p['growth_mb']:.0f} |"
         )
-    lines += ["", "| policy | chunk | fixed ms/round | us/token | us/token per 1k prefix |",
+    lines += ["", "| policy | basis | fixed ms/round | us/token | us/token per 1k prefix |",
               "|---|---|---|---|---|"]  # fmt: skip
     for f in data["fits"]:
         lines.append(
-            f"| {f['policy']} | {f['chunk_size']} | {f['fixed_ms']:.1f} | {f['per_token_us']:.1f} "
+            f"| {f['policy']} | {f['basis']} | {f['fixed_ms']:.1f} | {f['per_token_us']:.1f} "
             f"| {f['per_token_per_1k_prefix_us']:.2f} |"
         )
     lines += [
@@ -457,7 +491,7 @@ def main() -> int:
             write_csv(out / f"prompts{tag}.csv", prompts)
             write_csv(out / f"rss{tag}.csv", rss)
             write_csv(out / f"kda{tag}.csv", kda)
-    fits = all_fits(chunks)
+    fits = all_fits(chunks, prompts)
     write_csv(out / f"fits{tag}.csv", fits)
     plot_path_tag = out / (f"long_prompt{tag}.png")
     plot(out, chunks, prompts, rss, kda)
