@@ -27,6 +27,7 @@ PATCH_MODULES = (
     "mla_extend_cpu",
     "kimi_linear_moe",
     "schedule_policy",
+    "scheduler",
     "mamba_component",
     "batch_result_processor",
     "internal_state",

@@ -90,6 +90,9 @@ def scheduler_report(ctx, scheduler=None) -> dict:
         ]
     if "batch_result_processor" in report["patches"] and scheduler is not None:
         report["cache"] = cache_report(scheduler)
+    if "scheduler" in report["patches"] and scheduler is not None:
+        st = getattr(scheduler, "_kda_budget", None)
+        report["budget"] = st.report() if st else {"mode": "off (stock scheduling)"}
     return report
 
 

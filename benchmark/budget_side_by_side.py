@@ -1,0 +1,325 @@
+"""Serial-aware budget vs stock SGLang: one long prompt while decode streams run.
+
+Experiment 1 (``slices``): N streaming decodes (greedy, long outputs) run; after a decode-only
+window (the baseline ITL), one long prompt (``--long`` tokens, one output token) arrives. Measured:
+the long prompt's TTFT, and the decode streams' inter-token latency (ITL) p50/p99 while it is
+being prefilled, against the decode-only ITL. Configurations, one server each, one after another:
+
+- stock (``--kda-policy stock``) at several ``--chunked-prefill-size`` values, and stock with
+  ``--enable-mixed-chunk`` (SGLang's own answer to decode starvation);
+- ``--kda-policy kda --kda-budget serial`` with a generous deadline (the default ITL target
+  1.2x decode-only), with explicit ITL targets, and with a tight per-request deadline
+  (``custom_params.ttft_deadline_ms`` = 1.5x the prompt's time alone, measured on the same
+  server with no decode running).
+
+Experiment 2 (``cuts``): the long prompt is sent once (filling the checkpoint cache), the cache
+keeps it, then the same prompt with a different tail arrives while decodes run: with the serial
+budget the earlier request's slices ended on the checkpoint grid (``--kda-policy kda``); with
+stock cuts at arbitrary token counts (``--chunked-prefill-size`` not a multiple of 64, stock
+policy) the second request resumes from the last grid point before the divergence and replays
+the rest. Reported: tokens computed for the second request (``cached_tokens``) and its TTFT.
+
+Outputs: ``benchmark/results/budget/{slices,cuts}.csv`` and ``slices.png`` (TTFT vs decode ITL
+p99, both policies on one plot). One command::
+
+    .venv/bin/python benchmark/budget_side_by_side.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cache_side_by_side import Server, Tokens  # noqa: E402
+
+OUT = HERE / "results" / "budget"
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+class Stream(threading.Thread):
+    """One streaming greedy decode; records (time, tokens so far) for every chunk."""
+
+    def __init__(self, url: str, prompt: list[int], max_new: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.max_new = url, prompt, max_new
+        self.events: list[tuple[float, int]] = []
+        self.stop = threading.Event()
+        self.error = None
+
+    def run(self) -> None:
+        body = {
+            "input_ids": self.prompt,
+            "sampling_params": {
+                "max_new_tokens": self.max_new,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            "stream": True,
+        }
+        try:
+            with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        break
+                    if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
+                        continue
+                    n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                    self.events.append((time.monotonic(), n))
+        except requests.RequestException as e:  # closed by us, or the server went away
+            if not self.stop.is_set():
+                self.error = e
+
+    def itls(self, t0: float, t1: float) -> list[float]:
+        """Per-token gaps (seconds) of chunks arriving in [t0, t1]."""
+        out = []
+        for (ta, na), (tb, nb) in zip(self.events, self.events[1:], strict=False):
+            if t0 <= tb <= t1 and nb > na:
+                out.extend([(tb - ta) / (nb - na)] * (nb - na))
+        return out
+
+
+def long_request(url: str, prompt: list[int], deadline_ms: float | None) -> dict:
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    if deadline_ms is not None:
+        sp["custom_params"] = {"ttft_deadline_ms": deadline_ms}
+    t0 = time.monotonic()
+    r = requests.post(
+        url + "/generate", json={"input_ids": prompt, "sampling_params": sp}, timeout=900
+    )
+    t1 = time.monotonic()
+    r.raise_for_status()
+    return {"t0": t0, "t1": t1, "ttft_s": t1 - t0, "cached": r.json()["meta_info"]["cached_tokens"]}
+
+
+def flush(url: str) -> None:
+    for _ in range(120):
+        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
+            return
+        time.sleep(0.5)
+
+
+def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) -> dict:
+    """Decode streams, a decode-only window, then the long prompt; ITLs during its prefill."""
+    flush(server.url)
+    streams = [Stream(server.url, tokens.take(64), 100_000) for _ in range(args.streams)]
+    for s in streams:
+        s.start()
+    t_wait = time.monotonic() + 120
+    while time.monotonic() < t_wait and not all(len(s.events) > 5 for s in streams):
+        time.sleep(0.1)
+    base0 = time.monotonic()
+    time.sleep(args.baseline_s)
+    base1 = time.monotonic()
+    res = long_request(server.url, tokens.take(args.long), deadline_ms)
+    time.sleep(0.3)
+    for s in streams:
+        s.stop.set()
+    base = [x for s in streams for x in s.itls(base0, base1)]
+    during = [x for s in streams for x in s.itls(res["t0"], res["t1"])]
+    gap = max((x for s in streams for x in s.itls(res["t0"], res["t1"] + 0.3)), default=0.0)
+    for s in streams:
+        s.join(timeout=30)
+    time.sleep(1.0)
+    return {
+        "ttft_s": res["ttft_s"],
+        "deadline_ms": deadline_ms,
+        "deadline_met": None if deadline_ms is None else res["ttft_s"] * 1e3 <= deadline_ms,
+        "itl_base_p50_ms": 1e3 * pct(base, 50),
+        "itl_base_p99_ms": 1e3 * pct(base, 99),
+        "itl_p50_ms": 1e3 * pct(during, 50),
+        "itl_p99_ms": 1e3 * pct(during, 99),
+        "itl_max_ms": 1e3 * gap,
+        "decode_tokens_during": len(during),
+    }
+
+
+def alone_time(server: Server, tokens: Tokens, args) -> float:
+    flush(server.url)
+    return long_request(server.url, tokens.take(args.long), None)["ttft_s"]
+
+
+def experiment_slices(args, model: str) -> list[dict]:
+    rows = []
+    common = ["--enable-metrics", "--mem-fraction-static", "0.1"]
+    configs = [
+        (f"stock chunk {c}", "stock", ["--chunked-prefill-size", str(c)], None)
+        for c in args.stock_chunks
+    ]
+    configs.append(
+        (
+            f"stock mixed chunk {args.stock_chunks[-1]}",
+            "stock",
+            ["--chunked-prefill-size", str(args.stock_chunks[-1]), "--enable-mixed-chunk"],
+            None,
+        )
+    )
+    for t in args.itl_targets:
+        configs.append(
+            (
+                f"serial itl {t:g}ms" if t else "serial itl 1.2x",
+                "kda",
+                ["--kda-budget", "serial", "--kda-itl-target-ms", str(t)],
+                "generous",
+            )
+        )
+    configs.append(("serial tight deadline", "kda", ["--kda-budget", "serial"], "tight"))
+    log_dir = OUT / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for label, policy, extra, deadline in configs:
+        tokens = Tokens(model, args.seed)
+        chunk = [] if "--chunked-prefill-size" in extra else ["--chunked-prefill-size", "4096"]
+        server = Server(model, policy, [*common, *chunk, *extra], log_dir / f"{label}.log")
+        try:
+            # Warm up (and let the serial policy's cost model see prefill and decode steps).
+            alone = min(alone_time(server, tokens, args) for _ in range(args.warmup))
+            dl = None
+            if deadline == "generous":
+                dl = args.generous_ms
+            elif deadline == "tight":
+                dl = 1.5 * alone * 1e3
+            row = {
+                "config": label,
+                "policy": policy,
+                "alone_s": alone,
+                **run_case(server, tokens, args, dl),
+            }
+            rep = server.kda_report().get("budget")
+            if rep:
+                row["rounds"] = json.dumps(rep.get("rounds"))
+                row["cost_model_error"] = (rep.get("cost_model") or {}).get("error_ema")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def experiment_cuts(args, model: str) -> list[dict]:
+    """Second request shares the first's prompt up to an off-grid point; how much it reuses."""
+    rows = []
+    log_dir = OUT / "logs"
+    for label, policy, extra in (
+        (
+            "aligned (kda, serial)",
+            "kda",
+            ["--kda-budget", "serial", "--chunked-prefill-size", "4096"],
+        ),
+        ("aligned (kda)", "kda", ["--chunked-prefill-size", str(args.odd_chunk)]),
+        ("arbitrary (stock)", "stock", ["--chunked-prefill-size", str(args.odd_chunk)]),
+    ):
+        tokens = Tokens(model, args.seed + 1)
+        server = Server(model, policy, ["--enable-metrics", *extra], log_dir / f"cuts {label}.log")
+        try:
+            alone_time(server, tokens, args)  # warm-up
+            flush(server.url)
+            first = tokens.take(args.long)
+            cut = args.long - 37  # off grid
+            second = first[:cut] + tokens.take(200)
+            streams = [Stream(server.url, tokens.take(64), 100_000) for _ in range(args.streams)]
+            for s in streams:
+                s.start()
+            time.sleep(2)
+            a = long_request(server.url, first, None)
+            b = long_request(server.url, second, None)
+            for s in streams:
+                s.stop.set()
+            for s in streams:
+                s.join(timeout=30)
+            row = {
+                "config": label,
+                "prompt": args.long,
+                "shared": cut,
+                "second_cached": b["cached"],
+                "second_replayed": cut - b["cached"],
+                "first_ttft_s": a["ttft_s"],
+                "second_ttft_s": b["ttft_s"],
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        finally:
+            server.stop()
+    return rows
+
+
+def write(rows: list[dict], path: Path) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rows:
+        color = "tab:red" if r["policy"] == "stock" else "tab:blue"
+        marker = "s" if "mixed" in r["config"] else ("o" if r["policy"] == "stock" else "^")
+        ax[0].scatter(r["ttft_s"], r["itl_p99_ms"], c=color, marker=marker)
+        ax[0].annotate(r["config"], (r["ttft_s"], r["itl_p99_ms"]), fontsize=7)
+        ax[1].scatter(r["ttft_s"], r["itl_p50_ms"], c=color, marker=marker)
+        ax[1].annotate(r["config"], (r["ttft_s"], r["itl_p50_ms"]), fontsize=7)
+    base = statistics.median(r["itl_base_p99_ms"] for r in rows)
+    ax[0].axhline(1.25 * base, ls="--", c="gray", lw=0.8, label="1.25x decode-only p99")
+    for a, q in zip(ax, ("p99", "p50"), strict=True):
+        a.set_xlabel("long prompt TTFT (s)")
+        a.set_ylabel(f"decode ITL {q} during the prefill (ms)")
+        a.set_yscale("log")
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=7)
+    fig.suptitle("stock (red; squares: --enable-mixed-chunk) vs --kda-budget serial (blue)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--quick", action="store_true", help="fewer configurations")
+    p.add_argument("--long", type=int, default=6000, help="long prompt tokens")
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--baseline-s", type=float, default=3.0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--generous-ms", type=float, default=600_000)
+    p.add_argument("--stock-chunks", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--itl-targets", type=float, nargs="+", default=[0, 60])
+    p.add_argument("--odd-chunk", type=int, default=1000)
+    p.add_argument("--only", choices=["slices", "cuts"], default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.quick:
+        args.stock_chunks = args.stock_chunks[-2:]
+        args.itl_targets = args.itl_targets[:1]
+    model = args.model or str(HERE.parent / "models" / "tiny-kimi-linear")
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.only in (None, "slices"):
+        rows = experiment_slices(args, model)
+        write(rows, OUT / "slices.csv")
+        plot(rows, OUT / "slices.png")
+    if args.only in (None, "cuts"):
+        write(experiment_cuts(args, model), OUT / "cuts.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
