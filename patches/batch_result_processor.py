@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 UPSTREAM = "sglang.srt.managers.scheduler_components.batch_result_processor"
 logger = logging.getLogger(__name__)
+
+# Fault injection for the "live states are never shared" test: after a prefill step, the live
+# KDA state slot of every request whose rid starts with this prefix is overwritten with garbage.
+POISON_PREFIX = os.environ.get("SGLANG_KDA_DEBUG_POISON_RID_PREFIX", "")
 
 # The last integrity report (``--kda-debug-integrity on``), shown in /server_info.
 LAST_INTEGRITY: dict = {}
@@ -53,6 +58,8 @@ def apply(ctx) -> None:
             _log_pool_once(self.tree_cache, nbytes, ctx.config.checkpoint_pool_size)
             held = checkpoints.enforce_pool_size(self.tree_cache, ctx.config.checkpoint_pool_size)
             STATS.set_held(held, held * nbytes)
+        if POISON_PREFIX and self.tree_cache.supports_mamba():
+            poison_live_slots(self.tree_cache, batch.reqs, POISON_PREFIX)
         if debug and self.tree_cache.supports_mamba():
             LAST_INTEGRITY.clear()
             LAST_INTEGRITY.update(
@@ -92,3 +99,18 @@ def checkpoint_nbytes(tree_cache) -> int:
     per = cache.temporal[:, 0].numel() * cache.temporal.element_size()
     per += sum(c[:, 0].numel() * c.element_size() for c in cache.conv)
     return per if slots else 0
+
+
+def poison_live_slots(tree_cache, reqs, prefix: str) -> None:
+    """Overwrite the live state slots (recurrent state and conv window, all layers) of the
+    requests whose rid starts with ``prefix`` with a large constant."""
+    pool = tree_cache.req_to_token_pool
+    cache = pool.mamba_pool.mamba_cache
+    for req in reqs:
+        if not str(req.rid).startswith(prefix) or not req.kv.holds_mamba:
+            continue
+        phys = pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)).long()
+        cache.temporal[:, phys] = 7.0
+        for conv in cache.conv:
+            conv[:, phys] = 7.0
+        logger.warning("sglang_kda: poisoned the live KDA state of %s (fault injection)", req.rid)

@@ -10,6 +10,7 @@ strict integrity walk (no live slot referenced by the tree, no orphan slot).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -48,14 +49,23 @@ def ref(tiny_model_dir):
     return expected
 
 
+POISON = "poison-"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    srv = start_server(
-        tmp_path_factory,
-        tiny_model_dir,
-        "cache",
-        ["--kda-policy", "kda", "--kda-debug-integrity", "on", "--enable-metrics"],
-    )
+    # Fault injection: live state slots of requests whose rid starts with POISON are overwritten
+    # after their prefill (patches/batch_result_processor.py).
+    os.environ["SGLANG_KDA_DEBUG_POISON_RID_PREFIX"] = POISON
+    try:
+        srv = start_server(
+            tmp_path_factory,
+            tiny_model_dir,
+            "cache",
+            ["--kda-policy", "kda", "--kda-debug-integrity", "on", "--enable-metrics"],
+        )
+    finally:
+        del os.environ["SGLANG_KDA_DEBUG_POISON_RID_PREFIX"]
     yield srv
     srv.stop()
 
@@ -104,6 +114,30 @@ def test_divergence_on_and_off_grid_resumes_from_the_deepest_checkpoint(server, 
         cached = out["meta_info"]["cached_tokens"]
         assert cached >= cut // GRID * GRID, (cut, cached)
         assert cached <= cut, (cut, cached)
+    cache_stats(server)
+
+
+def test_live_state_is_never_shared(server, ref):
+    """A request resumes from a checkpoint, then its live state is overwritten with garbage:
+    the tree's copy, and every later request resuming from it, are unaffected."""
+    rng = random.Random(13)
+    base = rand_ids(rng, 320)
+    flush_cache_until_ok(server)
+    gen(server, base)
+    victim = base[:300] + rand_ids(rng, 10)  # hits 256, finishes its prefill in one slice
+    out = gen(server, victim, rid=POISON + "victim")
+    assert out["meta_info"]["cached_tokens"] >= 256
+    tokens, logprobs = ref(victim)
+    got = [lp for lp, _t, *_ in out["meta_info"]["output_token_logprobs"]]
+    assert out["output_ids"] != tokens or got != pytest.approx(logprobs, abs=1e-2), (
+        "the fault injection did not reach the victim's live state"
+    )
+    for k in range(2):
+        other = base[:300] + rand_ids(rng, 10)
+        out = gen(server, other)
+        assert out["meta_info"]["cached_tokens"] >= 256
+        assert_matches(out, ref(other), f"request {k} resuming after the victim")
+    assert_matches(gen(server, base), ref(base), "the base prompt again")
     cache_stats(server)
 
 
