@@ -111,12 +111,15 @@ def cache_report(scheduler) -> dict:
     requests (run here, between scheduler steps, where every live request is accounted for)."""
     from sglang_kda.cache.checkpoints import IntegrityError, integrity_report
     from sglang_kda.cache.stats import STATS
-    from sglang_kda.patches.batch_result_processor import LAST_INTEGRITY
+    from sglang_kda.cache.checkpoints import held_states
+    from sglang_kda.patches.batch_result_processor import LAST_INTEGRITY, checkpoint_nbytes
 
-    out = STATS.as_dict()
     tree = getattr(scheduler, "tree_cache", None)
     if tree is None or not tree.supports_mamba():
-        return out
+        return STATS.as_dict()
+    held = held_states(tree)  # also after /flush_cache, which runs no prefill
+    STATS.set_held(held, held * checkpoint_nbytes(tree))
+    out = STATS.as_dict()
     live = list(getattr(getattr(scheduler, "running_batch", None), "reqs", []) or [])
     live += [r for r in getattr(scheduler, "waiting_queue", []) or []]
     chunked = getattr(scheduler, "chunked_req", None)
