@@ -18,12 +18,12 @@ tokens emitted while it prefills. Stock SGLang at per-round slice sizes
 serial-aware budget (``sglang_kda.policy.budget``) at several ITL targets (deadline generous)
 and several TTFT deadlines (ITL target default: 1.2x the decode-only step).
 
-``cuts``: a 1M-token document prefilled in rounds of 10,000 tokens (not a multiple of 64) with
-cuts on the grid (9,984-ish, ``grid.aligned_chunk_len``) vs at the arbitrary token count;
-checkpoints every 4,096 tokens plus chunk ends (a chunk end off the page grid cannot be
+``cuts``: a 1M-token document prefilled in rounds of 10,000 tokens (not a multiple of 64) with cuts
+on the grid (9,984-ish, ``grid.aligned_chunk_len``) vs at the arbitrary token count; checkpoints
+every 4,096 tokens plus chunk ends, or chunk ends only (a chunk end off the page grid cannot be
 stored). Then follow-up requests sharing the first p tokens (p random, off the grid) with new
-questions, and one twin arriving mid-prefill. Reported: replayed tokens (KV cached, recomputed
-for lack of a state), prefill tokens computed, the document's TTFT and the follow-ups' TTFT.
+questions, and one twin arriving mid-prefill. Reported: replayed tokens (KV cached, recomputed for
+lack of a state), prefill tokens computed, the document's TTFT and the follow-ups' TTFT.
 
 ``agents``: multi-turn agents sharing an 8k-token system prompt, growing contexts, bursts of
 forks, on 8 DP ranks (TP1 each, 8 H200s) behind a round-robin or a prefix-aware router; the
@@ -257,59 +257,69 @@ def cuts_trace(followers: int, seed: int) -> T.Trace:
     return T.Trace(reqs, vocab=(0, 160000), name="cuts1m")
 
 
+CHUNK_ENDS_ONLY = 1 << 40  # a checkpoint spacing no prompt reaches: chunk ends only
+
+
 def exp_cuts(args) -> None:
     model = KimiLinearH200(8)
     plan = model.memory_plan()
     rows = []
-    for aligned in (True, False):
-        cfg = SimConfig(
-            policy="kda",
-            chunked_prefill_size=args.cut_slice,
-            page_size=PAGE,
-            aligned_cuts=aligned,
-            checkpoint_every=args.cut_every,
-            max_checkpoints=plan["checkpoints"],
-            max_tokens=plan["kv_tokens"],
-        )
-        tr = cuts_trace(args.followers, args.seed)
-        res = simulate(tr, cfg, model)
-        by = {r.rid: r for r in res.requests}
-        fol = [by[f"f{i}"] for i in range(args.followers)]
-        row = {
-            "cuts": "aligned" if aligned else "arbitrary",
-            "slice": args.cut_slice,
-            "checkpoint_every": args.cut_every,
-            "doc_ttft_s": by["doc"].ttft,
-            "twin_ttft_s": by["twin"].ttft,
-            "twin_prefill_tokens": by["twin"].computed,
-            "followers_replayed_tokens": sum(r.kv_recomputed for r in fol),
-            "followers_prefill_tokens": sum(r.computed for r in fol),
-            "followers_ttft_p50_s": percentile([r.ttft for r in fol], 50),
-            "followers_ttft_mean_s": sum(r.ttft for r in fol) / len(fol),
-            "prefill_tokens": summarize(res)["prefill_tokens"],
-            "checkpoints_held": res.ranks[0].tree.n_checkpoints,
-        }
-        rows.append(row)
-        print(f"[cuts] {row}", flush=True)
+    for every in args.cut_every:
+        for aligned in (True, False):
+            cfg = SimConfig(
+                policy="kda",
+                chunked_prefill_size=args.cut_slice,
+                page_size=PAGE,
+                aligned_cuts=aligned,
+                exact_cuts=not aligned,
+                checkpoint_every=every or CHUNK_ENDS_ONLY,
+                max_checkpoints=plan["checkpoints"],
+                max_tokens=plan["kv_tokens"],
+            )
+            tr = cuts_trace(args.followers, args.seed)
+            res = simulate(tr, cfg, model)
+            by = {r.rid: r for r in res.requests}
+            fol = [by[f"f{i}"] for i in range(args.followers)]
+            row = {
+                "cuts": "aligned" if aligned else "arbitrary",
+                "slice": args.cut_slice,
+                "checkpoints": f"every {every} + chunk ends" if every else "chunk ends only",
+                "doc_ttft_s": by["doc"].ttft,
+                "twin_ttft_s": by["twin"].ttft,
+                "twin_prefill_tokens": by["twin"].computed,
+                "followers_replayed_tokens": sum(r.kv_recomputed for r in fol),
+                "followers_prefill_tokens": sum(r.computed for r in fol),
+                "followers_ttft_p50_s": percentile([r.ttft for r in fol], 50),
+                "followers_ttft_mean_s": sum(r.ttft for r in fol) / len(fol),
+                "prefill_tokens": summarize(res)["prefill_tokens"],
+                "checkpoints_held": res.ranks[0].tree.n_checkpoints,
+            }
+            rows.append(row)
+            print(
+                f"[cuts] {row['checkpoints']}, {row['cuts']}: replayed "
+                f"{row['followers_replayed_tokens']}, follower TTFT mean "
+                f"{row['followers_ttft_mean_s'] * 1e3:.0f} ms, doc TTFT {row['doc_ttft_s']:.2f} s, "
+                f"twin TTFT {row['twin_ttft_s']:.2f} s ({row['twin_prefill_tokens']} computed)",
+                flush=True,
+            )
     write_csv("cuts1m", rows)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    labels = [r["cuts"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    labels = [f"{r['cuts']}\n{r['checkpoints']}" for r in rows]
+    colors = ["tab:green" if r["cuts"] == "aligned" else "tab:red" for r in rows]
     for ax, key, title in (
-        (axes[0], "followers_replayed_tokens", "replayed tokens (followers)"),
+        (axes[0], "followers_replayed_tokens", f"replayed tokens ({args.followers} followers)"),
         (axes[1], "followers_ttft_mean_s", "follower TTFT mean (s)"),
         (axes[2], "doc_ttft_s", "1M document TTFT (s)"),
     ):
-        ax.bar(labels, [r[key] for r in rows], color=["tab:green", "tab:red"])
+        ax.bar(labels, [r[key] for r in rows], color=colors)
         ax.set_title(title)
-    fig.suptitle(
-        f"H200 TP8, 1M-token document, {args.cut_slice}-token rounds, checkpoints "
-        f"every {args.cut_every} + chunk ends"
-    )
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"H200 TP8, 1M-token document in {args.cut_slice}-token rounds, page 64")
     fig.tight_layout()
     fig.savefig(OUT / "cuts1m.png", dpi=110)
     plt.close(fig)
@@ -416,8 +426,10 @@ def main() -> int:
     ap.add_argument("--itl-targets-ms", type=float, nargs="+", default=[15, 25, 50, 100])
     ap.add_argument("--deadlines-s", type=float, nargs="+", default=[40, 60, 120])
     ap.add_argument("--cut-slice", type=int, default=10000)
-    ap.add_argument("--cut-every", type=int, default=4096)
-    ap.add_argument("--followers", type=int, default=16)
+    ap.add_argument(
+        "--cut-every", type=int, nargs="+", default=[4096, 0], help="0: chunk ends only"
+    )
+    ap.add_argument("--followers", type=int, default=64)
     ap.add_argument("--agents", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--agent-every", type=int, default=512)

@@ -43,7 +43,7 @@ def check_invariants(res, tr):
     for rk in res.ranks:
         for a, b in zip(rk.rounds, rk.rounds[1:], strict=False):
             assert b.start >= a.end - 1e-12
-        assert rk.tree.root.lock_path == 0  # every lock released
+        assert rk.tree.locks_held() == 0  # every lock released
         rk.tree.integrity(expected_locks=0)
 
 

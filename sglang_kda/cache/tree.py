@@ -17,8 +17,9 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
   ``kda`` policy; chunk ends and the end of a finished request for ``stock``). Inserting splits
   edges so that a node ends at every checkpoint position.
 * Locks (:meth:`lock` / :meth:`unlock`): a running request locks the node it resumed from. A lock
-  protects the KV of the whole path root -> node and the checkpoint of the node itself (SGLang
-  locks the FULL component along the path, the MAMBA component on the node only).
+  protects the KV of the whole path root -> node (a node with a lock at or below it is never a
+  leaf to evict) and the checkpoint of the node itself (SGLang locks the FULL component along
+  the path, the MAMBA component on the node only).
 * Eviction (:meth:`evict`): least recently used first (ties: deepest first, as leaves go
   before their ancestors); checkpoint pressure drops checkpoints
   only (never KV), KV pressure drops unlocked leaves (with their checkpoints). ``max_checkpoints``
@@ -47,8 +48,7 @@ class Node:
     children: dict = field(default_factory=dict)
     depth: int = 0  # tokens on the path root -> end of this node
     checkpoint: bool = False
-    lock_own: int = 0  # locks taken on this very node
-    lock_path: int = 0  # locks on this node and its descendants (protects this node's KV)
+    lock_own: int = 0  # locks taken on this very node (a lock protects the path above it too)
     last_access: int = 0
     serial: int = 0  # creation order: a deterministic tie-break
 
@@ -105,9 +105,26 @@ class RadixTree:
         return self.clock
 
     def _touch(self, node: Node, t: int) -> None:
-        while node is not None:
-            node.last_access = t
-            node = node.parent
+        # Only the node: an ancestor's recency is the most recent of its subtree, derived when
+        # eviction needs it (:meth:`_walk`), so touching a 10,000-node path costs O(1).
+        node.last_access = t
+
+    def _walk(self) -> tuple[list, dict, dict]:
+        """Post-order figures of every node: (nodes, recency = the most recent access in its
+        subtree, locked = a lock on it or below)."""
+        order = self.nodes()
+        recency: dict = {}
+        locked: dict = {}
+        for n in reversed(order):  # children before parents (``nodes`` is a pre-order)
+            r, lk = n.last_access, n.lock_own > 0
+            for c in n.children.values():
+                r = max(r, recency[id(c)])
+                lk = lk or locked[id(c)]
+            recency[id(n)], locked[id(n)] = r, lk
+        return order, recency, locked
+
+    def locks_held(self) -> int:
+        return sum(n.lock_own for n in self.nodes())
 
     @staticmethod
     def _common(key: tuple, ids: Sequence[int], start: int, stop: int | None = None) -> int:
@@ -138,7 +155,6 @@ class RadixTree:
             key=node.key[:at],
             parent=parent,
             depth=node.depth - len(node.key) + at,
-            lock_path=node.lock_path,
             last_access=node.last_access,
         )
         parent.children[upper.key[0]] = upper
@@ -261,20 +277,12 @@ class RadixTree:
 
     def lock(self, node: Node) -> Node:
         node.lock_own += 1
-        n = node
-        while n is not None:
-            n.lock_path += 1
-            n = n.parent
         return node
 
     def unlock(self, node: Node) -> None:
         if node.lock_own <= 0:
             raise TreeIntegrityError("unlock of a node that is not locked")
         node.lock_own -= 1
-        n = node
-        while n is not None:
-            n.lock_path -= 1
-            n = n.parent
 
     def _enforce_caps(self) -> None:
         if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
@@ -292,10 +300,13 @@ class RadixTree:
         locked.
         """
         done_c = done_t = 0
+        if checkpoints <= 0 and tokens <= 0:
+            return 0, 0
+        order, recency, locked = self._walk()
         if checkpoints > 0:
             cands = [
-                (n.last_access, -n.depth, n.serial, n)
-                for n in self.nodes()
+                (recency[id(n)], -n.depth, n.serial, n)
+                for n in order
                 if n.checkpoint and n.lock_own == 0
             ]
             heapq.heapify(cands)
@@ -306,9 +317,9 @@ class RadixTree:
                 done_c += 1
         if tokens > 0:
             leaves = [
-                (n.last_access, -n.depth, n.serial, n)
-                for n in self.nodes()
-                if n is not self.root and not n.children and n.lock_path == 0
+                (recency[id(n)], -n.depth, n.serial, n)
+                for n in order
+                if n is not self.root and not n.children and n.lock_own == 0
             ]
             heapq.heapify(leaves)
             while leaves and done_t < tokens:
@@ -322,9 +333,9 @@ class RadixTree:
                 if n.checkpoint:
                     self.n_checkpoints -= 1
                     done_c += 1
-                if parent is not self.root and not parent.children and parent.lock_path == 0:
+                if parent is not self.root and not parent.children and parent.lock_own == 0:
                     heapq.heappush(
-                        leaves, (parent.last_access, -parent.depth, parent.serial, parent)
+                        leaves, (recency[id(parent)], -parent.depth, parent.serial, parent)
                     )
         self.stats.checkpoints_evicted += done_c
         self.stats.tokens_evicted += done_t
@@ -332,7 +343,7 @@ class RadixTree:
 
     def reset(self) -> None:
         """Drop everything (``/flush_cache``); refused while locks are held."""
-        if self.root.lock_path:
+        if self.locks_held():
             raise TreeIntegrityError("reset while locks are held")
         self.root = Node()
         self.n_checkpoints = self.n_tokens = 0
@@ -343,8 +354,8 @@ class RadixTree:
 
         - every child is filed under its key's first token, points back to its parent, has a
           non-empty key and ``depth = parent depth + len(key)``; no node is reachable twice;
-        - lock counts: ``lock_path = lock_own + sum(children's lock_path)``, never negative;
-          with ``expected_locks``, the root's ``lock_path`` equals it (one per running request);
+        - lock counts are never negative; with ``expected_locks``, the locks held add up to it
+          (one per running request);
         - the token and checkpoint counters equal what the walk finds; the root has no
           checkpoint (a state after zero tokens is the zero state, never cached);
         - the caps hold, unless locked nodes keep the tree over them.
@@ -367,7 +378,7 @@ class RadixTree:
             seen.add(id(n))
             order.append(n)
             nodes += 1
-            if n.lock_own < 0 or n.lock_path < 0:
+            if n.lock_own < 0:
                 fail("negative lock count")
             for first, c in n.children.items():
                 if not c.key:
@@ -381,23 +392,21 @@ class RadixTree:
                 tokens += len(c.key)
                 ckpts += c.checkpoint
                 stack.append(c)
-        for n in order:
-            want = n.lock_own + sum(c.lock_path for c in n.children.values())
-            if n.lock_path != want:
-                fail(f"lock_path {n.lock_path} != own {n.lock_own} + children")
+        _, _, locked_below = self._walk()
+        held = sum(n.lock_own for n in order)
         if tokens != self.n_tokens:
             fail(f"token counter {self.n_tokens} != {tokens} walked")
         if ckpts != self.n_checkpoints:
             fail(f"checkpoint counter {self.n_checkpoints} != {ckpts} walked")
-        if expected_locks is not None and self.root.lock_path != expected_locks:
-            fail(f"{self.root.lock_path} locks held, expected {expected_locks}")
+        if expected_locks is not None and held != expected_locks:
+            fail(f"{held} locks held, expected {expected_locks}")
         if self.max_checkpoints is not None and ckpts > self.max_checkpoints:
             locked = sum(1 for n in order if n.checkpoint and n.lock_own)
             if ckpts - locked > self.max_checkpoints:
                 fail(f"{ckpts} checkpoints over the cap {self.max_checkpoints}")
         if self.max_tokens is not None and tokens > self.max_tokens:
-            locked = sum(len(n.key) for n in order if n.lock_path and n is not self.root)
+            locked = sum(len(n.key) for n in order if locked_below[id(n)] and n is not self.root)
             if tokens - locked > self.max_tokens:
                 fail(f"{tokens} KV tokens over the cap {self.max_tokens}")
         return {"nodes": nodes, "tokens": tokens, "checkpoints": ckpts,
-                "locks": self.root.lock_path}  # fmt: skip
+                "locks": held}  # fmt: skip

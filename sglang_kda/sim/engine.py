@@ -71,6 +71,9 @@ class SimConfig:
     twins: ``kda`` twins rule (``--kda-twins``).
     resume_in_flight: ``kda`` in-flight resume.
     aligned_cuts: cut on the grid (``None``: the policy's default: kda yes, stock no).
+    exact_cuts: with ``aligned_cuts`` off, cut at the exact budget even off the page grid (a
+        hypothetical scheduler cutting at arbitrary token counts; its off-page chunk ends
+        cannot be stored in the paged tree).
     enable_mixed_chunk: stock: decode rides along every prefill round (``--enable-mixed-chunk``).
     budget: ``kda`` serial-aware budget (``None``: token budget as above).
     max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
@@ -92,6 +95,7 @@ class SimConfig:
     twins: bool = True
     resume_in_flight: bool = True
     aligned_cuts: Optional[bool] = None
+    exact_cuts: bool = False
     enable_mixed_chunk: bool = False
     budget: Optional[budget_mod.BudgetConfig] = None
     max_checkpoints: Optional[int] = None
@@ -211,7 +215,8 @@ class Rank:
         if cfg.aligned_cuts:
             return grid_mod.aligned_chunk_len(prefix, budget, remaining, cfg.grid)
         take = min(budget, remaining)
-        if take < remaining and cfg.page_size > 1:  # SGLang: page-aligned truncation
+        if take < remaining and cfg.page_size > 1 and not cfg.exact_cuts:
+            # SGLang: page-aligned truncation
             take = max(cfg.page_size, take // cfg.page_size * cfg.page_size)
         return take
 
@@ -409,21 +414,33 @@ class RoundRobin:
 
 
 class PrefixAware:
-    """The rank whose tree holds the longest KV prefix of the prompt (SGLang router's cache-aware
-    policy, approximated), ties to the least loaded; below ``min_match`` tokens, least loaded."""
+    """SGLang router's cache-aware policy, approximated: when the ranks' loads (waiting +
+    running requests) are imbalanced (max - min > ``balance_abs`` and max > ``balance_rel`` x
+    min), the least loaded rank; otherwise the rank whose tree holds the longest KV prefix of the
+    prompt if that covers more than ``cache_threshold`` of it, else the least loaded (defaults:
+    the router's ``--balance-abs-threshold 32 --balance-rel-threshold 1.5
+    --cache-threshold 0.5``)."""
 
-    def __init__(self, min_match: int = 256) -> None:
-        self.min_match = min_match
+    def __init__(self, balance_abs: int = 32, balance_rel: float = 1.5, cache_threshold=0.5):
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.cache_threshold = cache_threshold
 
     def pick(self, ranks: Sequence[Rank], r: SimReq) -> Rank:
+        loads = [rk.load() for rk in ranks]
+        least = min(ranks, key=lambda rk: (rk.load(), rk.id))
+        hi, lo = max(loads), min(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return least
         best, best_key = None, None
         for rank in ranks:
             kv = rank.tree.match(r.ids, len(r.ids) - 1).kv_length
-            kv = kv if kv >= self.min_match else 0
             key = (-kv, rank.load(), rank.id)
             if best_key is None or key < best_key:
                 best, best_key = rank, key
-        return best
+        if -best_key[0] > self.cache_threshold * len(r.ids):
+            return best
+        return least
 
 
 ROUTERS = {"round_robin": RoundRobin, "prefix": PrefixAware}
