@@ -309,7 +309,7 @@ def exp_cuts(args) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    labels = [f"{r['cuts']}\n{r['checkpoints']}" for r in rows]
+    labels = [f"{r['cuts']}\n{r['checkpoints'].replace(' + ', chr(10) + '+ ')}" for r in rows]
     colors = ["tab:green" if r["cuts"] == "aligned" else "tab:red" for r in rows]
     for ax, key, title in (
         (axes[0], "followers_replayed_tokens", f"replayed tokens ({args.followers} followers)"),

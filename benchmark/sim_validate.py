@@ -24,7 +24,9 @@ For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model
    ``simulator vs server: worst latency error X%; token counts identical: yes/no``.
 
 Latency errors are computed on the p50 figures and the p99 figures (``--latency-metrics``);
-both are listed in the table.
+both are listed in the table. The raw per-request records (calibration and workloads) are kept
+in ``results/sim/validate_raw_<policy>.json``; ``--from-raw`` refits and resimulates from them
+without a server.
 """
 
 from __future__ import annotations
@@ -281,7 +283,12 @@ def fit_cpu_model(alone: dict[str, Real], streams: dict[str, Real]) -> tuple[Cos
     x, y = np.array(rows), np.array(ys)
     w = 1.0 / y
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
-    v = nnls(x * w[:, None] / scale, y * w) / scale
+    try:
+        from scipy.optimize import nnls as scipy_nnls
+
+        v = scipy_nnls(x * w[:, None] / scale, y * w)[0] / scale
+    except ImportError:  # the cost model's own solver
+        v = nnls(x * w[:, None] / scale, y * w) / scale
     model = CostModel(Coefficients.from_vector(v[:5]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     pred = x @ v
     err = np.abs(pred - y) / y
@@ -332,7 +339,36 @@ def compare(name: str, policy: str, real: dict, sim: dict) -> list[dict]:
     return rows
 
 
-def run_policy(policy: str, args, tmp: Path) -> list[dict]:
+def _records(recs: dict[str, Real]) -> dict:
+    return {
+        k: {
+            "arrival": r.arrival,
+            "token_times": r.token_times,
+            "n_ids": len(r.ids),
+            "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens,
+        }
+        for k, r in recs.items()
+    }
+
+
+def _from_records(trace: T.Trace, d: dict) -> dict[str, Real]:
+    out = {}
+    for tr in trace.requests:
+        x = d[tr.id]
+        out[tr.id] = Real(
+            tr.id,
+            trace.prompt(tr),
+            x["arrival"],
+            list(x["token_times"]),
+            x["prompt_tokens"],
+            x["cached_tokens"],
+        )
+    return out
+
+
+def collect(policy: str, args, tmp: Path) -> dict:
+    """Run calibration and every workload on a real server; the raw per-request records."""
     extra = [
         "--chunked-prefill-size",
         str(CHUNK),
@@ -342,55 +378,72 @@ def run_policy(policy: str, args, tmp: Path) -> list[dict]:
         *args.server_args,
     ]
     server = Server(policy, extra, tmp / f"{policy}.log")
-    rows = []
+    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK}
     try:
         # Warm-up (one-time costs), then calibration.
         asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
         server.flush()
         cal_alone, cal_streams = calibration_trace()
-        ra = asyncio.run(run_trace(server.url, cal_alone))
+        raw["cal_alone"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
         server.flush()
-        rs = asyncio.run(run_trace(server.url, cal_streams))
-        model, fixed = fit_cpu_model(ra, rs)
-        model.save(
-            OUT_DIR / f"cpu_cost_model_{policy}.json",
-            key=f"tiny-cpu-{policy}",
-            extra={"per_request_fixed_s": fixed},
-        )
-        cfg = SimConfig(
-            policy=policy,
-            chunked_prefill_size=CHUNK,
-            max_prefill_tokens=131072,
-            ingress_s=fixed,
-            integrity=True,
-        )
+        raw["cal_streams"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
+        raw["workloads"] = {}
         for name, tr in workloads(args.quick).items():
             server.flush()
             t0 = time.monotonic()
-            real = asyncio.run(run_trace(server.url, tr))
-            res = simulate(tr, cfg, model)
-            sim = summarize(res)
-            rsum = real_summary(real)
-            rows += compare(name, policy, rsum, sim)
-            # Per-request token differences, for diagnosis.
-            simr = {r.rid: r for r in res.requests}
-            diff = [
-                (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
-                for rid, r in real.items()
-                if r.prompt_tokens - r.cached_tokens != simr[rid].computed
-            ]
+            raw["workloads"][name] = _records(asyncio.run(run_trace(server.url, tr)))
             print(
-                f"[{policy}] {name}: prefill server {rsum['prefill_tokens']} sim "
-                f"{sim['prefill_tokens']}; TTFT p50 {rsum['ttft_p50_ms']:.0f} vs "
-                f"{sim['ttft_p50_ms']:.0f} ms, p99 {rsum['ttft_p99_ms']:.0f} vs "
-                f"{sim['ttft_p99_ms']:.0f}; ITL p50 {rsum['itl_p50_ms']:.1f} vs "
-                f"{sim['itl_p50_ms']:.1f}, p99 {rsum['itl_p99_ms']:.1f} vs "
-                f"{sim['itl_p99_ms']:.1f} ({time.monotonic() - t0:.0f}s)"
-                + (f"; token diffs (rid, server, sim): {diff[:6]}" if diff else ""),
-                flush=True,
+                f"[{policy}] {name}: ran on the server ({time.monotonic() - t0:.0f}s)", flush=True
             )
     finally:
         server.stop()
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / f"validate_raw_{policy}.json").write_text(json.dumps(raw))
+    return raw
+
+
+def evaluate(raw: dict) -> list[dict]:
+    """Fit the CPU cost model on the calibration records, simulate every workload, compare."""
+    policy = raw["policy"]
+    cal_alone, cal_streams = calibration_trace()
+    model, fixed = fit_cpu_model(
+        _from_records(cal_alone, raw["cal_alone"]), _from_records(cal_streams, raw["cal_streams"])
+    )
+    model.save(
+        OUT_DIR / f"cpu_cost_model_{policy}.json",
+        key=f"tiny-cpu-{policy}",
+        extra={"per_request_fixed_s": fixed},
+    )
+    cfg = SimConfig(
+        policy=policy,
+        chunked_prefill_size=CHUNK,
+        max_prefill_tokens=131072,
+        ingress_s=fixed,
+        integrity=True,
+    )
+    rows = []
+    for name, tr in workloads(raw["quick"]).items():
+        real = _from_records(tr, raw["workloads"][name])
+        res = simulate(tr, cfg, model)
+        sim = summarize(res)
+        rsum = real_summary(real)
+        rows += compare(name, policy, rsum, sim)
+        simr = {r.rid: r for r in res.requests}
+        diff = [
+            (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
+            for rid, r in real.items()
+            if r.prompt_tokens - r.cached_tokens != simr[rid].computed
+        ]
+        print(
+            f"[{policy}] {name}: prefill server {rsum['prefill_tokens']} sim "
+            f"{sim['prefill_tokens']}; TTFT p50 {rsum['ttft_p50_ms']:.0f} vs "
+            f"{sim['ttft_p50_ms']:.0f} ms, p99 {rsum['ttft_p99_ms']:.0f} vs "
+            f"{sim['ttft_p99_ms']:.0f}; ITL p50 {rsum['itl_p50_ms']:.1f} vs "
+            f"{sim['itl_p50_ms']:.1f}, p99 {rsum['itl_p99_ms']:.1f} vs "
+            f"{sim['itl_p99_ms']:.1f}"
+            + (f"; per-request token diffs (rid, server, sim): {diff[:6]}" if diff else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -430,20 +483,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="kda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--from-raw",
+        action="store_true",
+        help="no server: refit and resimulate from results/sim/validate_raw_<policy>.json",
+    )
     ap.add_argument("--latency-metrics", default=",".join(LATENCY))
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        for policy in args.policies.split(","):
-            try:
-                rows += run_policy(policy, args, tmp)
-            except Exception:
-                log = tmp / f"{policy}.log"
-                if log.exists():
-                    print(log.read_text()[-3000:], file=sys.stderr)
-                raise
+    for policy in args.policies.split(","):
+        raw_path = OUT_DIR / f"validate_raw_{policy}.json"
+        if args.from_raw:
+            raw = json.loads(raw_path.read_text())
+        else:
+            with tempfile.TemporaryDirectory() as d:
+                tmp = Path(d)
+                try:
+                    raw = collect(policy, args, tmp)
+                except Exception:
+                    log = tmp / f"{policy}.log"
+                    if log.exists():
+                        print(log.read_text()[-3000:], file=sys.stderr)
+                    raise
+        rows += evaluate(raw)
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)
     return 0
