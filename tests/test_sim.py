@@ -230,3 +230,21 @@ def test_cost_model_plugs_in_unchanged():
     m = CostModel(Coefficients(), 3, 1)
     res = simulate(T.repeats(), SimConfig(policy="kda"), m)
     assert len(res.finished) == 2
+
+
+def test_finished_state_position():
+    """A continuation of a finished prompt hits exactly the prompt's end ("prompt", as the CPU
+    server does) or only the grid below it ("end": the state sits after the output)."""
+    tr = T.multi_turn(convs=1, turns=2, first=300, answer=40, user=60, out=20)
+    by = {}
+    for where in ("prompt", "end"):
+        res = run(tr, policy="kda", chunked_prefill_size=4096, finished_state=where)
+        by[where] = {r.rid: r for r in res.requests}["mt0.1"].computed
+    assert by["prompt"] == 100 and by["end"] == 400 - 256
+
+
+def test_paged_tree_drops_off_page_checkpoints():
+    tr = T.long_among_decodes(streams=0, long_prompt=1000, long_out=2)
+    res = run(tr, policy="stock", chunked_prefill_size=100, page_size=64, exact_cuts=True)
+    tree = res.ranks[0].tree
+    assert all(n.depth % 64 == 0 for n in tree.nodes() if n.checkpoint)
