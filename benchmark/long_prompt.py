@@ -324,11 +324,15 @@ def plot(out: Path, chunks, prompts, rss, kda) -> None:
 
     fig, ax = plt.subplots(2, 2, figsize=(13, 9))
     longest = max((p["prompt_len"] for p in prompts), default=0)
-    for key in sorted({(c["policy"], c["chunk_size"]) for c in chunks}):
-        rows = [c for c in chunks if (c["policy"], c["chunk_size"]) == key]
+
+    def k3(r):
+        return (r["policy"], r["chunk_size"], r.get("run", ""))
+
+    for key in sorted({k3(c) for c in chunks}):
+        rows = [c for c in chunks if k3(c) == key]
         n = max(r["prompt_len"] for r in rows)
         rows = [r for r in rows if r["prompt_len"] == n]
-        lab = f"{key[0]} chunk {key[1]} ({n} tok)"
+        lab = f"{key[0]} chunk {key[1]} ({n} tok) {key[2]}"
         ax[0, 0].plot(
             [r["prefix"] for r in rows], [r["time_s"] * 1e3 for r in rows], ".-", label=lab
         )
@@ -345,22 +349,22 @@ def plot(out: Path, chunks, prompts, rss, kda) -> None:
                  title=f"per-chunk time (longest prompt per server, up to {longest})")  # fmt: skip
     ax[0, 1].set(xlabel="prefix tokens", ylabel="GFLOP/s (wall)", yscale="log",
                  title="MLA extend attention vs KDA kernel (dashed)")  # fmt: skip
-    for key in sorted({(r["policy"], r["chunk_size"]) for r in rss}):
-        rows = [r for r in rss if (r["policy"], r["chunk_size"]) == key]
+    for key in sorted({k3(r) for r in rss}):
+        rows = [r for r in rss if k3(r) == key]
         t0 = rows[0]["t"]
         ax[1, 0].plot(
             [r["t"] - t0 for r in rows],
             [r["rss_mb"] for r in rows],
-            label=f"{key[0]} chunk {key[1]}",
+            label=f"{key[0]} chunk {key[1]} {key[2]}",
         )
     ax[1, 0].set(xlabel="s since server ready", ylabel="scheduler RSS (MB)", title="scheduler RSS")
-    for key in sorted({(p["policy"], p["chunk_size"]) for p in prompts}):
-        rows = [p for p in prompts if (p["policy"], p["chunk_size"]) == key and p["status"] == 200]
+    for key in sorted({k3(p) for p in prompts}):
+        rows = [p for p in prompts if k3(p) == key and p["status"] == 200]
         ax[1, 1].plot(
             [p["prompt_len"] for p in rows],
             [p["ttft_s"] for p in rows],
             "o-",
-            label=f"{key[0]} chunk {key[1]}",
+            label=f"{key[0]} chunk {key[1]} {key[2]}",
         )
     ax[1, 1].set(xlabel="prompt tokens", ylabel="time to first token (s)", xscale="log",
                  yscale="log", title="prefill time")  # fmt: skip
@@ -391,7 +395,8 @@ def merge(out: Path) -> None:
     for kind in ("chunks", "prompts", "rss", "kda", "fits"):
         rows = []
         for f in sorted(out.glob(f"{kind}_*.csv")) if kind != "fits" else []:
-            rows += read_csv(f)
+            run = f.stem[len(kind) + 1 :]
+            rows += [{**r, "run": run} for r in read_csv(f)]
         data[kind] = rows
     kda = {}
     for r in data["kda"]:  # least disturbed (fastest) of the runs' timings
