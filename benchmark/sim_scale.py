@@ -11,12 +11,12 @@ Cost model: :class:`sglang_kda.sim.costs.KimiLinearH200` (published-number check
 ``tests/test_sim_costs.py``). Page size 64 (FlashMLA's paged KV block), so the checkpoint grid
 is 64 and the tree is paged.
 
-``slices``: N decode streams (2,000-token prompts) decode from t=0; a 1,048,576-token prompt
-arrives at t=2 s. Reported: the long prompt's TTFT and the decode streams' ITL p50/p99 over the
-tokens emitted while it prefills. Stock SGLang at per-round slice sizes
-(``--chunked-prefill-size``), without and with ``--enable-mixed-chunk``; this project's
-serial-aware budget (``sglang_kda.policy.budget``) at several ITL targets (deadline generous)
-and several TTFT deadlines (ITL target default: 1.2x the decode-only step).
+``slices``: N decode streams (1,000-token prompts) decode from t=0; a 1,048,576-token prompt arrives
+at t=20 s (when every stream decodes). Reported: the long prompt's TTFT and the decode streams' ITL
+p50/p99 over the tokens emitted while it prefills. Stock SGLang at per-round slice sizes
+(``--chunked-prefill-size``), without and with ``--enable-mixed-chunk``; this project's serial-aware
+budget (``sglang_kda.policy.budget``) at several ITL targets (deadline generous) and several TTFT
+deadlines (ITL target default: 1.2x the decode-only step).
 
 ``cuts``: a 1M-token document prefilled in rounds of 10,000 tokens (not a multiple of 64) with cuts
 on the grid (9,984-ish, ``grid.aligned_chunk_len``) vs at the arbitrary token count; checkpoints
@@ -53,6 +53,10 @@ from sglang_kda.sim.metrics import percentile, summarize  # noqa: E402
 OUT = REPO / "benchmark" / "results" / "sim"
 PAGE = 64
 LONG = 1 << 20
+# The decode streams start at 0; the long prompt arrives once every stream decodes (the
+# serial-aware budget prefills the streams' own prompts in small shares of each round).
+STREAM_PROMPT = 1000
+LONG_AT = 20.0
 
 
 def write_csv(name: str, rows: list[dict]) -> Path:
@@ -71,10 +75,10 @@ def write_csv(name: str, rows: list[dict]) -> Path:
 
 def slices_trace(streams: int) -> T.Trace:
     reqs = [
-        T.TraceRequest(f"dec{i}", 1_000_000, t=0.001 * i, segments=((f"s{i}", 2000),))
+        T.TraceRequest(f"dec{i}", 1_000_000, t=0.001 * i, segments=((f"s{i}", STREAM_PROMPT),))
         for i in range(streams)
     ]
-    reqs.append(T.TraceRequest("long", 1, t=2.0, segments=(("doc", LONG),)))
+    reqs.append(T.TraceRequest("long", 1, t=LONG_AT, segments=(("doc", LONG),)))
     return T.Trace(reqs, vocab=(0, 160000), name=f"long1m_{streams}")
 
 
@@ -94,7 +98,7 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
         ts = r.token_times
         inside = [y - x for x, y in zip(ts, ts[1:], strict=False) if a < y <= b]
         if not inside:
-            starved += 1
+            starved += 1  # no token while the long prompt prefilled (or not started yet)
         last = ts[-1] if ts else a
         if last < b:
             inside.append(b - max(last, a) if last >= a else b - last)

@@ -248,3 +248,13 @@ def test_paged_tree_drops_off_page_checkpoints():
     res = run(tr, policy="stock", chunked_prefill_size=100, page_size=64, exact_cuts=True)
     tree = res.ranks[0].tree
     assert all(n.depth % 64 == 0 for n in tree.nodes() if n.checkpoint)
+
+
+def test_cli(tmp_path, capsys):
+    from sglang_kda.sim.__main__ import main
+
+    p = tmp_path / "t.jsonl"
+    assert main(["--generate", "repeats", "--dump", str(p)]) == 0
+    assert main([str(p), "--policy", "stock,kda", "--chunk", "4096"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert len(lines) == 2 and '"unfinished": 0' in lines[0]
