@@ -269,8 +269,12 @@ def sweep(kt, stamp: str, dev: str, warmup: int, reps: int) -> list[dict]:
         {"h_bv": 64},
         {"h_warps": 8},
         {"h_stages": 3},
-        {"o_bv": 128},
+        {"o_bv": 64},
         {"o_warps": 8},
+        {"intra_bk": 16},
+        {"solve_warps": 2},
+        {"wu_bv": 128},
+        {"wu_warps": 8},
     ]
     rows = []
     print("--- launch-config sweep, T=32768, ckpt 256 ---", flush=True)

@@ -4,24 +4,31 @@ Recurrence, per sequence and head, with an fp32 state ``S`` of shape [K, V]::
 
     S <- diag(exp(g_t)) S ;  S <- S + beta_t k_t (v_t - S^T k_t)^T ;  o_t = S^T (scale q_t)
 
-(q, k L2-normalised first when asked). The forward runs as three kernels over chunks of
+(q, k L2-normalised first when asked). The forward runs as five kernels over chunks of
 ``BT = 64`` tokens; a sequence's chunks sit on the *absolute* 64-token grid, so when
 ``prefix_len % 64 != 0`` its first chunk is shorter (its leading rows are masked no-ops):
 
 1. :func:`chunk_kda_fwd_intra_kernel`, one program per (chunk, head): optional fused gate
    (``g = -exp(A_log) * softplus(g_raw + dt_bias)``, ``beta = sigmoid(beta_raw)``) and L2 norm,
-   in-chunk cumulative decay ``G`` (log2 units, stored fp32), the strictly-lower
-   ``A = beta_i k_i.(k_j exp(G_i - G_j))`` and the causal ``Aqk``, the UT transform
-   ``(I + A)^-1`` by blockwise forward substitution (four 16x16 diagonal blocks inverted in
-   registers, then merged), and ``w = (I+A)^-1 (beta k exp(G))``, ``u = (I+A)^-1 (beta v)``,
-   ``kg = k exp(G_last - G)``, ``qg = scale q exp(G)``.
-2. :func:`chunk_kda_fwd_h_kernel`, one program per (sequence, head, V block): the serial walk
-   over a sequence's chunks. Before each chunk it stores the state for the output kernel; it
-   turns ``u`` into ``v_new = u - w S`` in place and updates ``S <- exp(G_last) S + kg^T v_new``.
-   A chunk that ends on an absolute multiple of ``checkpoint_every`` stores the fp32 register
-   state straight into the checkpoint buffer (one uniform scalar branch per chunk, no copy).
-3. :func:`chunk_kda_fwd_o_kernel`, one program per (chunk, V block, head):
-   ``o = qg S + tril(Aqk) v_new``.
+   in-chunk cumulative decay ``G`` (log2 units, stored fp32), then the strictly-lower
+   ``beta_i k_i.(k_j exp(G_i - G_j))`` (fp32 scratch ``Akk``) and the causal ``Aqk``: the four
+   16x16 diagonal blocks exactly, all pairs at once as one [K slice, 16, 16] broadcast with the
+   channel axis first (the reduction stays in registers), the six off-diagonal blocks one pair
+   at a time (two accumulators live) on the tensor cores.
+2. :func:`chunk_kda_fwd_solve_kernel`: ``(I + A)^-1`` per (chunk, head): the diagonal blocks by
+   the product form ``(I - A)(I + A^2)(I + A^4)(I + A^8)`` (A is nilpotent; six 16x16 dots,
+   ~fp32 ``tf32x3`` for 16-bit inputs), then the block rows merged; stored in the input dtype.
+3. :func:`chunk_kda_fwd_wu_kernel`: ``w = Ai (beta k exp(G))``, ``u = Ai (beta v)``,
+   ``kg = k exp(G_last - G)``, ``qg = scale q exp(G)`` with the whole [64, 64] inverse as one
+   tensor-core operand.
+4. :func:`chunk_kda_fwd_h_kernel`, one program per (V block, sequence, head), V blocks fastest:
+   the serial walk over a sequence's chunks. Before each chunk it stores the state for the
+   output kernel; it turns ``u`` into ``v_new = u - w S`` in place and updates
+   ``S <- exp(G_last) S + kg^T v_new``. A chunk that ends on an absolute multiple of
+   ``checkpoint_every`` stores the fp32 register state straight into the checkpoint buffer (one
+   uniform scalar branch per chunk, no copy); padded entries can be told to store none.
+5. :func:`chunk_kda_fwd_o_kernel`, one program per (V block, chunk, head), V blocks fastest
+   (the blocks of one chunk share its qg / Aqk rows in L2): ``o = qg S + tril(Aqk) v_new``.
 
 Numerics: per-token decays can reach -13, so the in-chunk cumulative sum reaches ~-830 and
 nothing ``exp(G)``-shaped may be split into ``exp(G_i) * exp(-G_j)``. Every exponent here is a
@@ -30,12 +37,15 @@ the true product is smaller still). Off-diagonal 16x16 blocks factor through the
 last row before the row block (both factors <= 1, then a ``tl.dot``); diagonal blocks are
 computed pair by pair with ``exp2(min(G_i - G_j, 0))``.
 
-Blocks (see ``KERNEL_CONFIG``, env-overridable, no autotuning because kernel (b) updates the
-pool and ``u`` in place): intra BT=64, BC=16, K slices of 64 (K <= 64) or 32, V slices of 64,
-4 warps; state kernel holds the whole K (next power of two) x BV=32 fp32 state in registers,
-4 warps, 2 stages; output kernel BV=64. Intermediates (qg, kg, w, u/v_new, Aqk, per-chunk
-states) are in the input dtype, the cumulative decay in fp32; checkpoints and the final state
-are written from the fp32 registers.
+Blocks (see ``KERNEL_CONFIG``, env-overridable; no autotuning because the state kernel updates
+the pool and ``u`` in place; ``benchmark/kernel_static.py`` compares the compiled code of each
+choice for sm_90 without a GPU): intra BT=64, BC=16, K slices of 32 (pairs: 8), 4 warps, 1
+stage; solve 1 warp (16x16 dots, no replication); w/u K slices of
+32, V slices of 64; state kernel holds the whole K (next
+power of two) x BV=32 fp32 state in registers, 4 warps, 2 stages; output kernel BV=128.
+Intermediates (qg, kg, w, u/v_new, Aqk, the inverse, per-chunk states) are in the input dtype,
+the cumulative decay and ``beta A`` in fp32; checkpoints and the final state are written from
+the fp32 registers.
 
 Public ops: :func:`chunk_kda` (fla-compatible core), :func:`kda_extend_pool` and
 :func:`kda_decode_pool` (serving path over SGLang's state pool [slots, H, V, K]).
@@ -132,38 +142,79 @@ def _load_beta(beta, o_r, m_r, H: tl.constexpr, BETA_IS_RAW: tl.constexpr):
 
 
 @triton.jit
-def _diag_block(b_Aqk, b_Akk, b_q, b_k, b_gc, p_k, p_g, i_r, T, m_k, stride, BC: tl.constexpr):
-    """Exact in-sub-chunk pair terms for one K slice, one column j at a time.
+def _diag_pairs(b_Aqk, b_Akk, b_qT, b_kT, b_gT):
+    """Exact in-sub-chunk pair terms for one K slice, all pairs at once.
 
-    b_q, b_k, b_gc: [BC, BK] rows of the sub-chunk (q, k already row-normalised) and their
-    cumulative log2 decays. p_k / p_g point at row 0 of the sub-chunk in the raw k and in
-    g_cum (row j is loaded from memory: no register gather). The exponent is clamped at 0, so
-    the (masked later) upper triangle never overflows.
+    b_qT, b_kT, b_gT: [BKD, BC] *transposed* rows of the sub-chunk (q, k row-normalised) and
+    their cumulative log2 decays. ``A[i, j] += sum_c x_i[c] k_j[c] exp2(min(G_i[c] - G_j[c], 0))``
+    as one [BKD, BC, BC] broadcast with the channel axis first: Triton's default layout then
+    keeps the channels of a pair in one thread, so the reduction is register adds (no shuffles,
+    no serial column loop, no dependent global loads). The exponent is clamped at 0, so the
+    (masked later) upper triangle never overflows.
     """
-    o_c = tl.arange(0, BC)
-    for j in range(0, BC):
-        m_j = m_k & (i_r + j >= 0) & (i_r + j < T)
-        b_kj = tl.load(p_k + j * stride, mask=m_j, other=0.0).to(tl.float32)
-        b_gj = tl.load(p_g + j * stride, mask=m_j, other=0.0)
-        b_kje = b_kj[None, :] * tl.math.exp2(tl.minimum(b_gc - b_gj[None, :], 0.0))
-        m_col = o_c[None, :] == j
-        b_Akk += tl.where(m_col, tl.sum(b_k * b_kje, 1)[:, None], 0.0)
-        b_Aqk += tl.where(m_col, tl.sum(b_q * b_kje, 1)[:, None], 0.0)
+    b_ke = b_kT[:, None, :] * tl.math.exp2(tl.minimum(b_gT[:, :, None] - b_gT[:, None, :], 0.0))
+    b_Akk += tl.sum(b_kT[:, :, None] * b_ke, 0)
+    b_Aqk += tl.sum(b_qT[:, :, None] * b_ke, 0)
     return b_Aqk, b_Akk
 
 
 @triton.jit
-def _inv_unit_lower(b_A, BC: tl.constexpr):
-    """(I + A)^-1 for a strictly-lower [BC, BC] block, by forward substitution in registers."""
+def _load_diag_rows(q, k, g_cum, o_r, m_r, o_k, m_k, b_rq, b_rk, stride):
+    """[BKD, BC] transposed tiles of q, k (row-normalised, fp32) and g_cum."""
+    o = o_r[None, :].to(tl.int64) * stride + o_k[:, None]
+    m = m_r[None, :] & m_k[:, None]
+    b_qT = tl.load(q + o, mask=m, other=0.0).to(tl.float32) * b_rq[None, :]
+    b_kT = tl.load(k + o, mask=m, other=0.0).to(tl.float32) * b_rk[None, :]
+    b_gT = tl.load(g_cum + o, mask=m, other=0.0)
+    return b_qT, b_kT, b_gT
+
+
+@triton.jit
+def _offdiag_pair(
+    q, k, g_cum, Aqk, Akk, o_rs, m_rs, b_rqs, b_rks, b_bs, o_rt, m_rt, b_rkt, col0, i_n, T,
+    scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Aqk / Akk block (rows of sub-chunk s, columns of an earlier sub-chunk t) over all of K,
+    stored straight away (Aqk scaled; Akk times beta). ``i_n``: row of the reference decay
+    (last row before sub-chunk s; a row before the sequence start reads 0 = its true value)."""
+    DT = Aqk.dtype.element_ty
+    o_c = tl.arange(0, BC)
+    b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
+    m_n = (i_n >= 0) & (i_n < T)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_n = tl.load(g_cum + i_n.to(tl.int64) * (H * K) + o_k, mask=m_k & m_n, other=0.0)
+        # both exponents are <= 0 on real rows; the clamp keeps masked rows (G read as 0) finite
+        b_e = tl.math.exp2(tl.minimum(_load_rows(g_cum, o_rs, m_rs, o_k, m_k, H * K) - b_n[None, :], 0.0))
+        b_qs = _load_rows(q, o_rs, m_rs, o_k, m_k, H * K).to(tl.float32) * b_rqs[:, None]
+        b_ks = _load_rows(k, o_rs, m_rs, o_k, m_k, H * K).to(tl.float32) * b_rks[:, None]
+        b_gt = _load_rows(g_cum, o_rt, m_rt, o_k, m_k, H * K)
+        b_kt = _load_rows(k, o_rt, m_rt, o_k, m_k, H * K).to(tl.float32) * b_rkt[:, None]
+        b_kt = tl.trans(b_kt * tl.math.exp2(tl.minimum(b_n[None, :] - b_gt, 0.0))).to(DT)
+        b_Aqk += tl.dot((b_qs * b_e).to(DT), b_kt, input_precision=DOT_PREC)
+        b_Akk += tl.dot((b_ks * b_e).to(DT), b_kt, input_precision=DOT_PREC)
+    _store_rows(Aqk, o_rs, m_rs, col0 + o_c, o_c < BC, H * BT, b_Aqk * scale)
+    _store_rows(Akk, o_rs, m_rs, col0 + o_c, o_c < BC, H * BT, b_Akk * b_bs[:, None])
+
+
+@triton.jit
+def _inv_unit_lower(b_A, BC: tl.constexpr, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly-lower [BC, BC] block (BC = 16).
+
+    A is nilpotent (A^16 = 0), so (I + A)^-1 = sum_{n<16} (-A)^n
+    = (I - A)(I + A^2)(I + A^4)(I + A^8): three squarings and three products on the tensor
+    cores instead of 15 dependent row steps with cross-warp reductions.
+    """
     o_i = tl.arange(0, BC)
-    b_Ai = -b_A
-    for i in range(1, BC):
-        # row i of (I+A)^-1 - I  =  -A_i - sum_{m<i} A[i, m] (rows m of (I+A)^-1 - I)
-        b_a = -tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), 0)
-        b_a = tl.where(o_i < i, b_a, 0.0)
-        b_a += tl.sum(b_a[:, None] * b_Ai, 0)
-        b_Ai = tl.where(o_i[:, None] == i, b_a[None, :], b_Ai)
-    return b_Ai + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    b_X = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0) - b_A
+    b_P = b_A
+    for _ in tl.static_range(3):
+        b_P = tl.dot(b_P, b_P, input_precision=PREC)
+        b_X += tl.dot(b_X, b_P, input_precision=PREC)
+    return b_X
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,18 +233,14 @@ def _inv_unit_lower(b_A, BC: tl.constexpr):
 def chunk_kda_fwd_intra_kernel(
     q,
     k,
-    v,
     g,
     beta,
     A_log,
     dt_bias,
     lower_bound,
     g_cum,
-    qg,
-    kg,
-    w,
-    u,
     Aqk,
+    Akk,
     cu_seqlens,
     chunk_indices,
     prefix_lens,
@@ -201,11 +248,10 @@ def chunk_kda_fwd_intra_kernel(
     T,
     H: tl.constexpr,
     K: tl.constexpr,
-    V: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
+    BKD: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     BETA_IS_RAW: tl.constexpr,
     USE_GATE_RAW: tl.constexpr,
@@ -226,14 +272,10 @@ def chunk_kda_fwd_intra_kernel(
     k += (bos * H + i_h) * K
     g += (bos * H + i_h) * K
     g_cum += (bos * H + i_h) * K
-    qg += (bos * H + i_h) * K
-    kg += (bos * H + i_h) * K
-    w += (bos * H + i_h) * K
-    v += (bos * H + i_h) * V
-    u += (bos * H + i_h) * V
     Aqk += (bos * H + i_h) * BT
+    Akk += (bos * H + i_h) * BT
     beta += bos * H + i_h
-    DT = w.dtype.element_ty
+    DT = Aqk.dtype.element_ty
 
     o_c = tl.arange(0, BC)
     o_r0 = i_t0 + o_c
@@ -268,171 +310,134 @@ def chunk_kda_fwd_intra_kernel(
         b_rk2 = b_rq0
         b_rk3 = b_rq0
 
-    b_Akk00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk33 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk10 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk20 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk21 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk30 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk31 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk32 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk33 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk10 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk20 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk21 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk30 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk31 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk32 = tl.zeros([BC, BC], dtype=tl.float32)
-
-    # ---- pass 1 over K: gate, in-chunk cumulative decay, Akk / Aqk ------------------------
+    # ---- pass 0 over K: gate and in-chunk cumulative decay of the whole chunk -> g_cum ------
+    o_t = i_t0 + tl.arange(0, BT)
+    m_t = (o_t >= 0) & (o_t < T)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_bias = tl.zeros([BK], dtype=tl.float32)
         if HAS_DT_BIAS:
             b_bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_g0 = _load_gate_rows(g, o_r0, m_r0, o_k, m_k, H * K, b_A, b_bias, lower_bound,
-                               USE_GATE_RAW, USE_LOWER_BOUND)  # fmt: skip
-        b_g1 = _load_gate_rows(g, o_r1, m_r1, o_k, m_k, H * K, b_A, b_bias, lower_bound,
-                               USE_GATE_RAW, USE_LOWER_BOUND)  # fmt: skip
-        b_g2 = _load_gate_rows(g, o_r2, m_r2, o_k, m_k, H * K, b_A, b_bias, lower_bound,
-                               USE_GATE_RAW, USE_LOWER_BOUND)  # fmt: skip
-        b_g3 = _load_gate_rows(g, o_r3, m_r3, o_k, m_k, H * K, b_A, b_bias, lower_bound,
-                               USE_GATE_RAW, USE_LOWER_BOUND)  # fmt: skip
-        # b_n{s}: cumulative decay at the last row before sub-chunk s (reference point)
-        b_gc0 = tl.cumsum(b_g0, 0)
-        b_n1 = tl.sum(b_g0, 0)
-        b_gc1 = b_n1[None, :] + tl.cumsum(b_g1, 0)
-        b_n2 = b_n1 + tl.sum(b_g1, 0)
-        b_gc2 = b_n2[None, :] + tl.cumsum(b_g2, 0)
-        b_n3 = b_n2 + tl.sum(b_g2, 0)
-        b_gc3 = b_n3[None, :] + tl.cumsum(b_g3, 0)
-        _store_rows(g_cum, o_r0, m_r0, o_k, m_k, H * K, b_gc0)
-        _store_rows(g_cum, o_r1, m_r1, o_k, m_k, H * K, b_gc1)
-        _store_rows(g_cum, o_r2, m_r2, o_k, m_k, H * K, b_gc2)
-        _store_rows(g_cum, o_r3, m_r3, o_k, m_k, H * K, b_gc3)
+        b_g = _load_gate_rows(g, o_t, m_t, o_k, m_k, H * K, b_A, b_bias, lower_bound,
+                              USE_GATE_RAW, USE_LOWER_BOUND)  # fmt: skip
+        _store_rows(g_cum, o_t, m_t, o_k, m_k, H * K, tl.cumsum(b_g, 0))
+    # rows of g_cum are re-read below by other threads of this program
+    tl.debug_barrier()
 
-        b_q0 = _load_rows(q, o_r0, m_r0, o_k, m_k, H * K).to(tl.float32) * b_rq0[:, None]
-        b_q1 = _load_rows(q, o_r1, m_r1, o_k, m_k, H * K).to(tl.float32) * b_rq1[:, None]
-        b_q2 = _load_rows(q, o_r2, m_r2, o_k, m_k, H * K).to(tl.float32) * b_rq2[:, None]
-        b_q3 = _load_rows(q, o_r3, m_r3, o_k, m_k, H * K).to(tl.float32) * b_rq3[:, None]
-        b_k0 = _load_rows(k, o_r0, m_r0, o_k, m_k, H * K).to(tl.float32) * b_rk0[:, None]
-        b_k1 = _load_rows(k, o_r1, m_r1, o_k, m_k, H * K).to(tl.float32) * b_rk1[:, None]
-        b_k2 = _load_rows(k, o_r2, m_r2, o_k, m_k, H * K).to(tl.float32) * b_rk2[:, None]
-        b_k3 = _load_rows(k, o_r3, m_r3, o_k, m_k, H * K).to(tl.float32) * b_rk3[:, None]
-
-        # off-diagonal blocks (s > t): exp2(G_i - n_s) * exp2(n_s - G_j), both exponents <= 0
-        b_e = tl.math.exp2(b_gc1 - b_n1[None, :])
-        b_qe = (b_q1 * b_e).to(DT)
-        b_ke = (b_k1 * b_e).to(DT)
-        b_kt = tl.trans(b_k0 * tl.math.exp2(b_n1[None, :] - b_gc0)).to(DT)
-        b_Aqk10 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk10 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-
-        b_e = tl.math.exp2(b_gc2 - b_n2[None, :])
-        b_qe = (b_q2 * b_e).to(DT)
-        b_ke = (b_k2 * b_e).to(DT)
-        b_kt = tl.trans(b_k0 * tl.math.exp2(b_n2[None, :] - b_gc0)).to(DT)
-        b_Aqk20 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk20 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-        b_kt = tl.trans(b_k1 * tl.math.exp2(b_n2[None, :] - b_gc1)).to(DT)
-        b_Aqk21 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk21 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-
-        b_e = tl.math.exp2(b_gc3 - b_n3[None, :])
-        b_qe = (b_q3 * b_e).to(DT)
-        b_ke = (b_k3 * b_e).to(DT)
-        b_kt = tl.trans(b_k0 * tl.math.exp2(b_n3[None, :] - b_gc0)).to(DT)
-        b_Aqk30 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk30 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-        b_kt = tl.trans(b_k1 * tl.math.exp2(b_n3[None, :] - b_gc1)).to(DT)
-        b_Aqk31 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk31 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-        b_kt = tl.trans(b_k2 * tl.math.exp2(b_n3[None, :] - b_gc2)).to(DT)
-        b_Aqk32 += tl.dot(b_qe, b_kt, input_precision=DOT_PREC)
-        b_Akk32 += tl.dot(b_ke, b_kt, input_precision=DOT_PREC)
-
-        # diagonal blocks: exact pairwise decays; row j re-read from k / g_cum (just stored)
-        tl.debug_barrier()
-        p_k = k + o_k
-        p_g = g_cum + o_k
-        b_Aqk00, b_Akk00 = _diag_block(
-            b_Aqk00, b_Akk00, b_q0, b_k0, b_gc0,
-            p_k + i_t0.to(tl.int64) * (H * K), p_g + i_t0.to(tl.int64) * (H * K),
-            i_t0, T, m_k, H * K, BC,
-        )  # fmt: skip
-        b_Aqk11, b_Akk11 = _diag_block(
-            b_Aqk11, b_Akk11, b_q1, b_k1, b_gc1,
-            p_k + (i_t0 + BC).to(tl.int64) * (H * K), p_g + (i_t0 + BC).to(tl.int64) * (H * K),
-            i_t0 + BC, T, m_k, H * K, BC,
-        )  # fmt: skip
-        b_Aqk22, b_Akk22 = _diag_block(
-            b_Aqk22, b_Akk22, b_q2, b_k2, b_gc2,
-            p_k + (i_t0 + 2 * BC).to(tl.int64) * (H * K),
-            p_g + (i_t0 + 2 * BC).to(tl.int64) * (H * K),
-            i_t0 + 2 * BC, T, m_k, H * K, BC,
-        )  # fmt: skip
-        b_Aqk33, b_Akk33 = _diag_block(
-            b_Aqk33, b_Akk33, b_q3, b_k3, b_gc3,
-            p_k + (i_t0 + 3 * BC).to(tl.int64) * (H * K),
-            p_g + (i_t0 + 3 * BC).to(tl.int64) * (H * K),
-            i_t0 + 3 * BC, T, m_k, H * K, BC,
-        )  # fmt: skip
-
-    # the diagonal blocks used the raw (un-normalised) k_j for their columns
-    if USE_QK_L2NORM:
-        b_Akk00 *= b_rk0[None, :]
-        b_Akk11 *= b_rk1[None, :]
-        b_Akk22 *= b_rk2[None, :]
-        b_Akk33 *= b_rk3[None, :]
-        b_Aqk00 *= b_rk0[None, :]
-        b_Aqk11 *= b_rk1[None, :]
-        b_Aqk22 *= b_rk2[None, :]
-        b_Aqk33 *= b_rk3[None, :]
-
+    m_strict = o_c[:, None] > o_c[None, :]
+    m_causal = o_c[:, None] >= o_c[None, :]
+    m_all = o_c < BC
     b_b0 = _load_beta(beta, o_r0, m_r0, H, BETA_IS_RAW)
     b_b1 = _load_beta(beta, o_r1, m_r1, H, BETA_IS_RAW)
     b_b2 = _load_beta(beta, o_r2, m_r2, H, BETA_IS_RAW)
     b_b3 = _load_beta(beta, o_r3, m_r3, H, BETA_IS_RAW)
 
-    m_strict = o_c[:, None] > o_c[None, :]
-    m_causal = o_c[:, None] >= o_c[None, :]
-    b_Akk00 = tl.where(m_strict, b_Akk00 * b_b0[:, None], 0.0)
-    b_Akk11 = tl.where(m_strict, b_Akk11 * b_b1[:, None], 0.0)
-    b_Akk22 = tl.where(m_strict, b_Akk22 * b_b2[:, None], 0.0)
-    b_Akk33 = tl.where(m_strict, b_Akk33 * b_b3[:, None], 0.0)
-    b_Akk10 = b_Akk10 * b_b1[:, None]
-    b_Akk20 = b_Akk20 * b_b2[:, None]
-    b_Akk21 = b_Akk21 * b_b2[:, None]
-    b_Akk30 = b_Akk30 * b_b3[:, None]
-    b_Akk31 = b_Akk31 * b_b3[:, None]
-    b_Akk32 = b_Akk32 * b_b3[:, None]
-
-    # ---- Aqk (scaled, causal); blocks above the diagonal are never read -------------------
-    m_all = o_c < BC
+    # ---- diagonal blocks over narrow K slices: exact pairwise decays ------------------------
+    b_Aqk00 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Aqk11 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Aqk22 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Aqk33 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk00 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk11 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk22 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk33 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BKD)):
+        o_k = i_k * BKD + tl.arange(0, BKD)
+        m_k = o_k < K
+        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r0, m_r0, o_k, m_k, b_rq0, b_rk0, H * K)
+        b_Aqk00, b_Akk00 = _diag_pairs(b_Aqk00, b_Akk00, b_qT, b_kT, b_gT)
+        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r1, m_r1, o_k, m_k, b_rq1, b_rk1, H * K)
+        b_Aqk11, b_Akk11 = _diag_pairs(b_Aqk11, b_Akk11, b_qT, b_kT, b_gT)
+        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r2, m_r2, o_k, m_k, b_rq2, b_rk2, H * K)
+        b_Aqk22, b_Akk22 = _diag_pairs(b_Aqk22, b_Akk22, b_qT, b_kT, b_gT)
+        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r3, m_r3, o_k, m_k, b_rq3, b_rk3, H * K)
+        b_Aqk33, b_Akk33 = _diag_pairs(b_Aqk33, b_Akk33, b_qT, b_kT, b_gT)
     _store_rows(Aqk, o_r0, m_r0, o_c, m_all, H * BT, tl.where(m_causal, b_Aqk00 * scale, 0.0))
-    _store_rows(Aqk, o_r1, m_r1, o_c, m_all, H * BT, b_Aqk10 * scale)
     _store_rows(Aqk, o_r1, m_r1, BC + o_c, m_all, H * BT, tl.where(m_causal, b_Aqk11 * scale, 0.0))
-    _store_rows(Aqk, o_r2, m_r2, o_c, m_all, H * BT, b_Aqk20 * scale)
-    _store_rows(Aqk, o_r2, m_r2, BC + o_c, m_all, H * BT, b_Aqk21 * scale)
     _store_rows(Aqk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT,
                 tl.where(m_causal, b_Aqk22 * scale, 0.0))  # fmt: skip
-    _store_rows(Aqk, o_r3, m_r3, o_c, m_all, H * BT, b_Aqk30 * scale)
-    _store_rows(Aqk, o_r3, m_r3, BC + o_c, m_all, H * BT, b_Aqk31 * scale)
-    _store_rows(Aqk, o_r3, m_r3, 2 * BC + o_c, m_all, H * BT, b_Aqk32 * scale)
     _store_rows(Aqk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT,
                 tl.where(m_causal, b_Aqk33 * scale, 0.0))  # fmt: skip
+    # beta * A, strictly lower, fp32, for the solve kernel
+    _store_rows(Akk, o_r0, m_r0, o_c, m_all, H * BT, tl.where(m_strict, b_Akk00 * b_b0[:, None], 0.0))
+    _store_rows(Akk, o_r1, m_r1, BC + o_c, m_all, H * BT,
+                tl.where(m_strict, b_Akk11 * b_b1[:, None], 0.0))  # fmt: skip
+    _store_rows(Akk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT,
+                tl.where(m_strict, b_Akk22 * b_b2[:, None], 0.0))  # fmt: skip
+    _store_rows(Akk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT,
+                tl.where(m_strict, b_Akk33 * b_b3[:, None], 0.0))  # fmt: skip
+
+    # ---- off-diagonal blocks (s > t), one pair at a time: two accumulators live -------------
+    # exp2(G_i - n_s) * exp2(n_s - G_j) with n_s the decay at the last row before block s:
+    # both exponents <= 0
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r1, m_r1, b_rq1, b_rk1, b_b1, o_r0, m_r0, b_rk0,
+                  0, i_t0 + BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r2, m_r2, b_rq2, b_rk2, b_b2, o_r0, m_r0, b_rk0,
+                  0, i_t0 + 2 * BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r2, m_r2, b_rq2, b_rk2, b_b2, o_r1, m_r1, b_rk1,
+                  BC, i_t0 + 2 * BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r3, m_r3, b_rq3, b_rk3, b_b3, o_r0, m_r0, b_rk0,
+                  0, i_t0 + 3 * BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r3, m_r3, b_rq3, b_rk3, b_b3, o_r1, m_r1, b_rk1,
+                  BC, i_t0 + 3 * BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+    _offdiag_pair(q, k, g_cum, Aqk, Akk, o_r3, m_r3, b_rq3, b_rk3, b_b3, o_r2, m_r2, b_rk2,
+                  2 * BC, i_t0 + 3 * BC - 1, T, scale, H, K, BT, BC, BK, DOT_PREC)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_kda_fwd_solve_kernel(
+    Akk,
+    Ai,
+    cu_seqlens,
+    chunk_indices,
+    prefix_lens,
+    T,
+    H: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    INV_PREC: tl.constexpr,
+):
+    """(I + beta A)^-1 of one (chunk, head): 16x16 diagonal blocks by the product form, then
+    block rows merged; the ten lower blocks are stored (input dtype) for the w/u kernel."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    i_t0 = i_c * BT - (tl.load(prefix_lens + i_n) % BT).to(tl.int32)
+    Akk += (bos * H + i_h) * BT
+    Ai += (bos * H + i_h) * BT
+
+    o_c = tl.arange(0, BC)
+    o_r0 = i_t0 + o_c
+    o_r1 = o_r0 + BC
+    o_r2 = o_r0 + 2 * BC
+    o_r3 = o_r0 + 3 * BC
+    m_r0 = (o_r0 >= 0) & (o_r0 < T)
+    m_r1 = (o_r1 >= 0) & (o_r1 < T)
+    m_r2 = (o_r2 >= 0) & (o_r2 < T)
+    m_r3 = (o_r3 >= 0) & (o_r3 < T)
+    m_all = o_c < BC
+
+    b_Akk00 = _load_rows(Akk, o_r0, m_r0, o_c, m_all, H * BT)
+    b_Akk10 = _load_rows(Akk, o_r1, m_r1, o_c, m_all, H * BT)
+    b_Akk11 = _load_rows(Akk, o_r1, m_r1, BC + o_c, m_all, H * BT)
+    b_Akk20 = _load_rows(Akk, o_r2, m_r2, o_c, m_all, H * BT)
+    b_Akk21 = _load_rows(Akk, o_r2, m_r2, BC + o_c, m_all, H * BT)
+    b_Akk22 = _load_rows(Akk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT)
+    b_Akk30 = _load_rows(Akk, o_r3, m_r3, o_c, m_all, H * BT)
+    b_Akk31 = _load_rows(Akk, o_r3, m_r3, BC + o_c, m_all, H * BT)
+    b_Akk32 = _load_rows(Akk, o_r3, m_r3, 2 * BC + o_c, m_all, H * BT)
+    b_Akk33 = _load_rows(Akk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT)
 
     # ---- (I + A)^-1: invert the diagonal blocks, then merge block rows ---------------------
-    b_Ai00 = _inv_unit_lower(b_Akk00, BC)
-    b_Ai11 = _inv_unit_lower(b_Akk11, BC)
-    b_Ai22 = _inv_unit_lower(b_Akk22, BC)
-    b_Ai33 = _inv_unit_lower(b_Akk33, BC)
+    b_Ai00 = _inv_unit_lower(b_Akk00, BC, INV_PREC)
+    b_Ai11 = _inv_unit_lower(b_Akk11, BC, INV_PREC)
+    b_Ai22 = _inv_unit_lower(b_Akk22, BC, INV_PREC)
+    b_Ai33 = _inv_unit_lower(b_Akk33, BC, INV_PREC)
     # X_st = -X_ss sum_{t <= r < s} A_sr X_rt
     b_Ai10 = -tl.dot(
         tl.dot(b_Ai11, b_Akk10, input_precision=DOT_PREC), b_Ai00, input_precision=DOT_PREC
@@ -462,93 +467,102 @@ def chunk_kda_fwd_intra_kernel(
         + tl.dot(b_Akk32, b_Ai20, input_precision=DOT_PREC),
         input_precision=DOT_PREC,
     )
-    b_Ai00 = b_Ai00.to(DT)
-    b_Ai11 = b_Ai11.to(DT)
-    b_Ai22 = b_Ai22.to(DT)
-    b_Ai33 = b_Ai33.to(DT)
-    b_Ai10 = b_Ai10.to(DT)
-    b_Ai20 = b_Ai20.to(DT)
-    b_Ai21 = b_Ai21.to(DT)
-    b_Ai30 = b_Ai30.to(DT)
-    b_Ai31 = b_Ai31.to(DT)
-    b_Ai32 = b_Ai32.to(DT)
+    _store_rows(Ai, o_r0, m_r0, o_c, m_all, H * BT, b_Ai00)
+    _store_rows(Ai, o_r1, m_r1, o_c, m_all, H * BT, b_Ai10)
+    _store_rows(Ai, o_r1, m_r1, BC + o_c, m_all, H * BT, b_Ai11)
+    _store_rows(Ai, o_r2, m_r2, o_c, m_all, H * BT, b_Ai20)
+    _store_rows(Ai, o_r2, m_r2, BC + o_c, m_all, H * BT, b_Ai21)
+    _store_rows(Ai, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT, b_Ai22)
+    _store_rows(Ai, o_r3, m_r3, o_c, m_all, H * BT, b_Ai30)
+    _store_rows(Ai, o_r3, m_r3, BC + o_c, m_all, H * BT, b_Ai31)
+    _store_rows(Ai, o_r3, m_r3, 2 * BC + o_c, m_all, H * BT, b_Ai32)
+    _store_rows(Ai, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT, b_Ai33)
 
-    # ---- pass 2 over K: w, kg, qg ------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def chunk_kda_fwd_wu_kernel(
+    q,
+    k,
+    v,
+    beta,
+    g_cum,
+    Ai,
+    qg,
+    kg,
+    w,
+    u,
+    cu_seqlens,
+    chunk_indices,
+    prefix_lens,
+    scale,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    BETA_IS_RAW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """w = Ai (beta k exp2(G)), u = Ai (beta v), kg = k exp2(G_last - G), qg = scale q exp2(G)
+    for one (chunk, head), with the whole [64, 64] inverse as one tensor-core operand."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    i_t0 = i_c * BT - (tl.load(prefix_lens + i_n) % BT).to(tl.int32)
+
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    g_cum += (bos * H + i_h) * K
+    qg += (bos * H + i_h) * K
+    kg += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    v += (bos * H + i_h) * V
+    u += (bos * H + i_h) * V
+    Ai += (bos * H + i_h) * BT
+    beta += bos * H + i_h
+    DT = w.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_r = i_t0 + o_i
+    m_r = (o_r >= 0) & (o_r < T)
+    # block-lower part only (the upper 16x16 blocks are not written by the solve kernel)
+    m_A = (o_i[:, None] // 16) >= (o_i[None, :] // 16)
+    b_Ai = tl.where(m_A, _load_rows(Ai, o_r, m_r, o_i, o_i < BT, H * BT), 0.0).to(DT)
+    b_b = _load_beta(beta, o_r, m_r, H, BETA_IS_RAW)
+    if USE_QK_L2NORM:
+        b_rq = _row_rnorm(q, o_r, m_r, H * K, K, BK, BT)
+        b_rk = _row_rnorm(k, o_r, m_r, H * K, K, BK, BT)
+    else:
+        b_rq = tl.full([BT], 1.0, dtype=tl.float32)
+        b_rk = b_rq
+
     i_last = tl.minimum(i_t0 + BT, T) - 1
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_gl = tl.load(g_cum + i_last.to(tl.int64) * (H * K) + o_k, mask=m_k, other=0.0)
-        b_gc0 = _load_rows(g_cum, o_r0, m_r0, o_k, m_k, H * K)
-        b_gc1 = _load_rows(g_cum, o_r1, m_r1, o_k, m_k, H * K)
-        b_gc2 = _load_rows(g_cum, o_r2, m_r2, o_k, m_k, H * K)
-        b_gc3 = _load_rows(g_cum, o_r3, m_r3, o_k, m_k, H * K)
-        b_k0 = _load_rows(k, o_r0, m_r0, o_k, m_k, H * K).to(tl.float32) * b_rk0[:, None]
-        b_k1 = _load_rows(k, o_r1, m_r1, o_k, m_k, H * K).to(tl.float32) * b_rk1[:, None]
-        b_k2 = _load_rows(k, o_r2, m_r2, o_k, m_k, H * K).to(tl.float32) * b_rk2[:, None]
-        b_k3 = _load_rows(k, o_r3, m_r3, o_k, m_k, H * K).to(tl.float32) * b_rk3[:, None]
-
-        b_kb0 = (b_k0 * b_b0[:, None] * tl.math.exp2(b_gc0)).to(DT)
-        b_kb1 = (b_k1 * b_b1[:, None] * tl.math.exp2(b_gc1)).to(DT)
-        b_kb2 = (b_k2 * b_b2[:, None] * tl.math.exp2(b_gc2)).to(DT)
-        b_kb3 = (b_k3 * b_b3[:, None] * tl.math.exp2(b_gc3)).to(DT)
-        b_w0 = tl.dot(b_Ai00, b_kb0, input_precision=DOT_PREC)
-        b_w1 = tl.dot(b_Ai10, b_kb0, input_precision=DOT_PREC)
-        b_w1 += tl.dot(b_Ai11, b_kb1, input_precision=DOT_PREC)
-        b_w2 = tl.dot(b_Ai20, b_kb0, input_precision=DOT_PREC)
-        b_w2 += tl.dot(b_Ai21, b_kb1, input_precision=DOT_PREC)
-        b_w2 += tl.dot(b_Ai22, b_kb2, input_precision=DOT_PREC)
-        b_w3 = tl.dot(b_Ai30, b_kb0, input_precision=DOT_PREC)
-        b_w3 += tl.dot(b_Ai31, b_kb1, input_precision=DOT_PREC)
-        b_w3 += tl.dot(b_Ai32, b_kb2, input_precision=DOT_PREC)
-        b_w3 += tl.dot(b_Ai33, b_kb3, input_precision=DOT_PREC)
-        _store_rows(w, o_r0, m_r0, o_k, m_k, H * K, b_w0)
-        _store_rows(w, o_r1, m_r1, o_k, m_k, H * K, b_w1)
-        _store_rows(w, o_r2, m_r2, o_k, m_k, H * K, b_w2)
-        _store_rows(w, o_r3, m_r3, o_k, m_k, H * K, b_w3)
-
+        b_gc = _load_rows(g_cum, o_r, m_r, o_k, m_k, H * K)
+        b_k = _load_rows(k, o_r, m_r, o_k, m_k, H * K).to(tl.float32) * b_rk[:, None]
+        b_kb = (b_k * b_b[:, None] * tl.math.exp2(b_gc)).to(DT)
+        _store_rows(w, o_r, m_r, o_k, m_k, H * K, tl.dot(b_Ai, b_kb, input_precision=DOT_PREC))
         # kg = k * exp2(G_last - G): decay from each token to the end of the chunk (<= 1)
-        _store_rows(kg, o_r0, m_r0, o_k, m_k, H * K, b_k0 * tl.math.exp2(b_gl[None, :] - b_gc0))
-        _store_rows(kg, o_r1, m_r1, o_k, m_k, H * K, b_k1 * tl.math.exp2(b_gl[None, :] - b_gc1))
-        _store_rows(kg, o_r2, m_r2, o_k, m_k, H * K, b_k2 * tl.math.exp2(b_gl[None, :] - b_gc2))
-        _store_rows(kg, o_r3, m_r3, o_k, m_k, H * K, b_k3 * tl.math.exp2(b_gl[None, :] - b_gc3))
-
+        _store_rows(kg, o_r, m_r, o_k, m_k, H * K, b_k * tl.math.exp2(b_gl[None, :] - b_gc))
         # qg = scale * q * exp2(G): the query against the state entering the chunk
-        b_q = _load_rows(q, o_r0, m_r0, o_k, m_k, H * K).to(tl.float32)
-        _store_rows(qg, o_r0, m_r0, o_k, m_k, H * K,
-                    b_q * (b_rq0 * scale)[:, None] * tl.math.exp2(b_gc0))  # fmt: skip
-        b_q = _load_rows(q, o_r1, m_r1, o_k, m_k, H * K).to(tl.float32)
-        _store_rows(qg, o_r1, m_r1, o_k, m_k, H * K,
-                    b_q * (b_rq1 * scale)[:, None] * tl.math.exp2(b_gc1))  # fmt: skip
-        b_q = _load_rows(q, o_r2, m_r2, o_k, m_k, H * K).to(tl.float32)
-        _store_rows(qg, o_r2, m_r2, o_k, m_k, H * K,
-                    b_q * (b_rq2 * scale)[:, None] * tl.math.exp2(b_gc2))  # fmt: skip
-        b_q = _load_rows(q, o_r3, m_r3, o_k, m_k, H * K).to(tl.float32)
-        _store_rows(qg, o_r3, m_r3, o_k, m_k, H * K,
-                    b_q * (b_rq3 * scale)[:, None] * tl.math.exp2(b_gc3))  # fmt: skip
+        b_q = _load_rows(q, o_r, m_r, o_k, m_k, H * K).to(tl.float32)
+        _store_rows(qg, o_r, m_r, o_k, m_k, H * K,
+                    b_q * (b_rq * scale)[:, None] * tl.math.exp2(b_gc))  # fmt: skip
 
-    # ---- pass 3 over V: u = (I + A)^-1 (beta v) ---------------------------------------------
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        b_vb0 = (_load_rows(v, o_r0, m_r0, o_v, m_v, H * V).to(tl.float32) * b_b0[:, None]).to(DT)
-        b_vb1 = (_load_rows(v, o_r1, m_r1, o_v, m_v, H * V).to(tl.float32) * b_b1[:, None]).to(DT)
-        b_vb2 = (_load_rows(v, o_r2, m_r2, o_v, m_v, H * V).to(tl.float32) * b_b2[:, None]).to(DT)
-        b_vb3 = (_load_rows(v, o_r3, m_r3, o_v, m_v, H * V).to(tl.float32) * b_b3[:, None]).to(DT)
-        b_u0 = tl.dot(b_Ai00, b_vb0, input_precision=DOT_PREC)
-        b_u1 = tl.dot(b_Ai10, b_vb0, input_precision=DOT_PREC)
-        b_u1 += tl.dot(b_Ai11, b_vb1, input_precision=DOT_PREC)
-        b_u2 = tl.dot(b_Ai20, b_vb0, input_precision=DOT_PREC)
-        b_u2 += tl.dot(b_Ai21, b_vb1, input_precision=DOT_PREC)
-        b_u2 += tl.dot(b_Ai22, b_vb2, input_precision=DOT_PREC)
-        b_u3 = tl.dot(b_Ai30, b_vb0, input_precision=DOT_PREC)
-        b_u3 += tl.dot(b_Ai31, b_vb1, input_precision=DOT_PREC)
-        b_u3 += tl.dot(b_Ai32, b_vb2, input_precision=DOT_PREC)
-        b_u3 += tl.dot(b_Ai33, b_vb3, input_precision=DOT_PREC)
-        _store_rows(u, o_r0, m_r0, o_v, m_v, H * V, b_u0)
-        _store_rows(u, o_r1, m_r1, o_v, m_v, H * V, b_u1)
-        _store_rows(u, o_r2, m_r2, o_v, m_v, H * V, b_u2)
-        _store_rows(u, o_r3, m_r3, o_v, m_v, H * V, b_u3)
+        b_vb = (_load_rows(v, o_r, m_r, o_v, m_v, H * V).to(tl.float32) * b_b[:, None]).to(DT)
+        _store_rows(u, o_r, m_r, o_v, m_v, H * V, tl.dot(b_Ai, b_vb, input_precision=DOT_PREC))
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,9 +613,11 @@ def chunk_kda_fwd_h_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     SAVE_CHECKPOINTS: tl.constexpr,
+    CKPT_SKIP_PADDED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    # V blocks fastest: one head's blocks run side by side and share its kg / w / g_cum rows
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -642,6 +658,10 @@ def chunk_kda_fwd_h_kernel(
         ckpt += i_h * (K * V)
         # checkpoint row of absolute position p (a multiple of checkpoint_every): i_m0 + p // C
         i_m0 = tl.load(ckpt_offsets + i_n).to(tl.int64) - i_p // checkpoint_every - 1
+        if CKPT_SKIP_PADDED:
+            ck_ok = i_s >= 0  # a padded entry has no checkpoint rows
+        else:
+            ck_ok = i_s == i_s
 
     for i_c in range(0, NT):
         # state entering chunk i_c, for the output kernel (pointer bumped: 64-bit offsets)
@@ -665,7 +685,7 @@ def chunk_kda_fwd_h_kernel(
         if SAVE_CHECKPOINTS:
             # absolute position after this chunk, if the chunk is complete
             i_end = i_p - i_off + (i_c + 1) * BT
-            if (i_end % checkpoint_every == 0) & (i_end <= i_p + T):
+            if (i_end % checkpoint_every == 0) & (i_end <= i_p + T) & ck_ok:
                 p_c = ckpt + (i_m0 + i_end // checkpoint_every) * (H * K * V) + o_h
                 tl.store(p_c, b_h, mask=m_h)
 
@@ -699,7 +719,8 @@ def chunk_kda_fwd_o_kernel(
     BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    i_t, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # V blocks fastest: the programs sharing a chunk's qg / Aqk / v_new rows run together (L2)
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
     i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -844,11 +865,18 @@ def _env_int(name: str, default: int) -> int:
 # benchmark/kernel_kda.py --sweep edits this dict directly.
 KERNEL_CONFIG: dict[str, int] = {
     "intra_bk": _env_int("SGLANG_KDA_INTRA_BK", 0),  # 0: 64 for K <= 64, else 32
+    "intra_bkd": _env_int("SGLANG_KDA_INTRA_BKD", 8),  # K slice of the diagonal-pair broadcast
     "intra_warps": _env_int("SGLANG_KDA_INTRA_WARPS", 4),
+    "intra_stages": _env_int("SGLANG_KDA_INTRA_STAGES", 1),
+    "solve_warps": _env_int("SGLANG_KDA_SOLVE_WARPS", 1),
+    "wu_bk": _env_int("SGLANG_KDA_WU_BK", 0),  # 0: twice the intra K slice, at most 64
+    "wu_bv": _env_int("SGLANG_KDA_WU_BV", 64),
+    "wu_warps": _env_int("SGLANG_KDA_WU_WARPS", 4),
+    "wu_stages": _env_int("SGLANG_KDA_WU_STAGES", 2),
     "h_bv": _env_int("SGLANG_KDA_H_BV", 32),
     "h_warps": _env_int("SGLANG_KDA_H_WARPS", 4),
     "h_stages": _env_int("SGLANG_KDA_H_STAGES", 2),
-    "o_bv": _env_int("SGLANG_KDA_O_BV", 64),
+    "o_bv": _env_int("SGLANG_KDA_O_BV", 128),
     "o_warps": _env_int("SGLANG_KDA_O_WARPS", 4),
 }
 
@@ -862,6 +890,11 @@ def _intra_block_k(K: int) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get exact fp32 dots (tests, references); 16-bit inputs use tensor cores
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _inv_precision(dtype: torch.dtype) -> str:
+    # the 16x16 diagonal inverses: ~fp32 accuracy on the tensor cores (3 TF32 passes)
+    return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
 def chunk_kda_fwd(
@@ -885,6 +918,7 @@ def chunk_kda_fwd(
     lower_bound: Optional[float] = None,
     beta_is_raw: bool = False,
     checkpoint_every: Optional[int] = None,
+    padded: Optional[list[bool]] = None,
 ) -> tuple[torch.Tensor, Optional[KDACheckpoints]]:
     """Launcher: checks shapes/strides, lays out chunks, runs the three kernels.
 
@@ -893,7 +927,8 @@ def chunk_kda_fwd(
     h0 / ht: initial / final state storage addressed as ``base + n*s0 + h*s1 + k*s2 + v*s3`` with
     ``(s0, s1, s2, s3) = h0_strides / ht_strides`` and n the sequence index, or
     ``state_indices[n]`` when given (negative: skip). g is the log decay, or the raw gate when
-    A_log is given (fused Kimi gate). Returns o [Ttot, H, V] and the checkpoints (or None).
+    A_log is given (fused Kimi gate). ``padded[n]`` (host bools, with state_indices): entry n is
+    padding and gets no checkpoint rows. Returns o [Ttot, H, V] and the checkpoints (or None).
     """
     Ttot, H, K = q.shape
     V = v.shape[-1]
@@ -948,7 +983,8 @@ def chunk_kda_fwd(
     ck_offsets = None
     if checkpoint_every is not None:
         C = checkpoint_every
-        counts = [(p + n) // C - p // C for p, n in zip(prefixes, lens)]
+        counts = [0 if padded and padded[i] else (p + n) // C - p // C
+                  for i, (p, n) in enumerate(zip(prefixes, lens))]  # fmt: skip
         M = sum(counts)
         ck_buf = torch.empty(M, H, K, V, dtype=torch.float32, device=device)
         starts = [0] * (N + 1)
@@ -959,7 +995,8 @@ def chunk_kda_fwd(
             torch.arange(N, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
         )
         positions = torch.tensor(
-            [m * C for p, n in zip(prefixes, lens) for m in range(p // C + 1, (p + n) // C + 1)],
+            [m * C for i, (p, n) in enumerate(zip(prefixes, lens)) if counts[i]
+             for m in range(p // C + 1, (p + n) // C + 1)],
             dtype=torch.long,
         )
         ckpt = KDACheckpoints(ck_buf, seq_idx.to(device), positions.to(device))
@@ -975,9 +1012,11 @@ def chunk_kda_fwd(
         w = torch.empty(Ttot, H, K, dtype=DT, device=device)
         u = torch.empty(Ttot, H, V, dtype=DT, device=device)  # becomes v_new
         Aqk = torch.empty(Ttot, H, BT, dtype=DT, device=device)
+        Akk = torch.empty(Ttot, H, BT, dtype=torch.float32, device=device)  # beta * A, fp32
+        Ai = torch.empty(Ttot, H, BT, dtype=DT, device=device)  # (I + beta A)^-1
         h = torch.empty(NT, H, K, V, dtype=DT, device=device)
     else:
-        g_cum = qg = kg = w = u = Aqk = h = None
+        g_cum = qg = kg = w = u = Aqk = Akk = Ai = h = None
     prec = _dot_precision(q.dtype)
     BK_full = max(16, triton.next_power_of_2(K))
 
@@ -990,16 +1029,31 @@ def chunk_kda_fwd(
                 if dt_bias.numel() != H * K:
                     raise ValueError(f"dt_bias must have H*K={H * K} elements")
                 dt_bias = dt_bias.reshape(H * K).contiguous()
+        BK_i = _intra_block_k(K)
         chunk_kda_fwd_intra_kernel[(NT, H)](
-            q=q, k=k, v=v, g=g, beta=beta,
+            q=q, k=k, g=g, beta=beta,
             A_log=A_log, dt_bias=dt_bias if A_log is not None else None,
             lower_bound=lower_bound if A_log is not None else None,
-            g_cum=g_cum, qg=qg, kg=kg, w=w, u=u, Aqk=Aqk,
+            g_cum=g_cum, Aqk=Aqk, Akk=Akk,
             cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices, prefix_lens=prefix_d,
-            scale=scale, T=Ttot, H=H, K=K, V=V, BT=BT, BC=BC,
-            BK=_intra_block_k(K), BV=min(64, max(16, triton.next_power_of_2(V))),
+            scale=scale, T=Ttot, H=H, K=K, BT=BT, BC=BC, BK=BK_i,
+            BKD=max(8, min(KERNEL_CONFIG["intra_bkd"], triton.next_power_of_2(K))),
             USE_QK_L2NORM=use_qk_l2norm, BETA_IS_RAW=beta_is_raw, DOT_PREC=prec,
-            num_warps=KERNEL_CONFIG["intra_warps"],
+            num_warps=KERNEL_CONFIG["intra_warps"], num_stages=KERNEL_CONFIG["intra_stages"],
+        )  # fmt: skip
+        chunk_kda_fwd_solve_kernel[(NT, H)](
+            Akk=Akk, Ai=Ai, cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices,
+            prefix_lens=prefix_d, T=Ttot, H=H, BT=BT, BC=BC, DOT_PREC=prec,
+            INV_PREC=_inv_precision(q.dtype), num_warps=KERNEL_CONFIG["solve_warps"],
+            num_stages=1,
+        )  # fmt: skip
+        chunk_kda_fwd_wu_kernel[(NT, H)](
+            q=q, k=k, v=v, beta=beta, g_cum=g_cum, Ai=Ai, qg=qg, kg=kg, w=w, u=u,
+            cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices, prefix_lens=prefix_d,
+            scale=scale, T=Ttot, H=H, K=K, V=V, BT=BT, BK=KERNEL_CONFIG["wu_bk"] or min(64, BK_i * 2),
+            BV=KERNEL_CONFIG["wu_bv"], USE_QK_L2NORM=use_qk_l2norm, BETA_IS_RAW=beta_is_raw,
+            DOT_PREC=prec, num_warps=KERNEL_CONFIG["wu_warps"],
+            num_stages=KERNEL_CONFIG["wu_stages"],
         )  # fmt: skip
 
     BV_h = max(16, min(KERNEL_CONFIG["h_bv"], triton.next_power_of_2(V)))
@@ -1018,9 +1072,9 @@ def chunk_kda_fwd(
             else:
                 ht.zero_()
     else:
-        chunk_kda_fwd_h_kernel[(N * H, triton.cdiv(V, BV_h))](
+        chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
             kg=kg, w=w, u=u, g_cum=g_cum, h=h, h0=h0, ht=ht, state_indices=state_indices,
-            ckpt=ck_buf, ckpt_offsets=ck_offsets,
+            ckpt=ck_buf, ckpt_offsets=ck_offsets, CKPT_SKIP_PADDED=bool(padded),
             checkpoint_every=checkpoint_every if checkpoint_every is not None else BT,
             cu_seqlens=cu_seqlens_d, chunk_offsets=chunk_offsets, prefix_lens=prefix_d,
             stride_h0_n=h0s[0], stride_h0_h=h0s[1], stride_h0_k=h0s[2], stride_h0_v=h0s[3],
@@ -1031,7 +1085,7 @@ def chunk_kda_fwd(
 
     if NT > 0:
         BV_o = max(16, min(KERNEL_CONFIG["o_bv"], triton.next_power_of_2(V)))
-        chunk_kda_fwd_o_kernel[(NT, triton.cdiv(V, BV_o), H)](
+        chunk_kda_fwd_o_kernel[(triton.cdiv(V, BV_o), NT, H)](
             qg=qg, v_new=u, Aqk=Aqk, h=h, o=o,
             cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices, prefix_lens=prefix_d,
             T=Ttot, H=H, K=K, V=V, BT=BT, BK=min(128, BK_full), BV=BV_o, DOT_PREC=prec,
@@ -1130,6 +1184,13 @@ def chunk_kda(
     return o, ht, ckpt
 
 
+def _host_ints(x) -> list[int]:
+    """Host ints from a list / CPU tensor (no sync), or a device tensor (one sync)."""
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in x]
+
+
 def _check_pool(ssm_states: torch.Tensor, H: int, K: int, V: int) -> tuple[int, int, int, int]:
     """Pool [slots, H, V, K] -> strides in the kernels' (n, h, k, v) order."""
     if ssm_states.dim() != 4 or tuple(ssm_states.shape[1:]) != (H, V, K):
@@ -1159,6 +1220,8 @@ def kda_extend_pool(
     lower_bound: Optional[float] = None,
     checkpoint_every: Optional[int] = None,
     prefix_lens: Optional[IntSeq] = None,
+    cu_seqlens_cpu: Optional[IntSeq] = None,
+    cache_indices_cpu: Optional[IntSeq] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, KDACheckpoints]]:
     """KDA extend (prefill) over SGLang's state pool, Triton path (same contract as
     :func:`sglang_kda.kernels.kda_torch.kda_extend_pool`).
@@ -1177,6 +1240,12 @@ def kda_extend_pool(
         cache_indices: [N] pool rows; cu_seqlens: [N + 1].
         scale: default ``K ** -0.5``; use_qk_l2norm: L2-normalise q and k (Kimi does).
         checkpoint_every, prefix_lens: see :func:`chunk_kda`.
+        cu_seqlens_cpu: the same bounds as host ints (the scheduler's host-side metadata): no
+            device-to-host copy of ``cu_seqlens`` (which otherwise costs a sync when it lives
+            on the GPU).
+        cache_indices_cpu: host copy of cache_indices; when given, padded entries (negative
+            index) emit no checkpoint rows (without it they emit the rows of a zero-state run,
+            as the serving adapter expects today).
 
     Returns:
         o [1, T, H, V] in v's dtype, plus :class:`KDACheckpoints` (fp32 [M, H, K, V]) when
@@ -1189,9 +1258,14 @@ def kda_extend_pool(
     if g_raw.numel() != T * H * K or beta_raw.numel() != T * H or v.numel() != T * H * V:
         raise ValueError("g_raw / beta_raw / v sizes do not match q")
     strides = _check_pool(ssm_states, H, K, V)
-    bounds = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor)
-                               else cu_seqlens)]  # fmt: skip
+    bounds = _host_ints(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
     N = len(bounds) - 1
+    padded = None
+    if cache_indices_cpu is not None:
+        host_idx = _host_ints(cache_indices_cpu)
+        if len(host_idx) != N:
+            raise ValueError(f"cache_indices_cpu must have N={N} entries, got {len(host_idx)}")
+        padded = [i < 0 for i in host_idx]
     prefixes = _to_int_list(prefix_lens, N, "prefix_lens")
     if scale is None:
         scale = K**-0.5
@@ -1218,6 +1292,7 @@ def kda_extend_pool(
         lower_bound=lower_bound,
         beta_is_raw=True,
         checkpoint_every=checkpoint_every,
+        padded=padded if padded and any(padded) else None,
     )
     o = o.view(1, T, H, V)
     if checkpoint_every is None:

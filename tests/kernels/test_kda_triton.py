@@ -375,6 +375,41 @@ def test_extend_pool(poisoned):
     _assert_close(pool[2].transpose(-1, -2), rh2[0])
 
 
+def test_extend_pool_host_metadata_padded_entries_emit_nothing(poisoned):
+    """cu_seqlens_cpu / cache_indices_cpu (the scheduler's host-side metadata): no device-to-host
+    read of the bounds, and a padded entry (index -1) gets no checkpoint rows while the real
+    entries' rows, outputs and pool rows are unchanged."""
+    H, K, V = 1, 32, 32
+    lens, idx, prefixes = [70, 66], [-1, 3], [0, 10]
+    bounds = [0, 70, 136]
+    T = bounds[-1]
+    q, k, v, _, _ = _inputs(1, T, H, K, V, seed=41)
+    g_raw, beta_raw, A_log, dt_bias = _gate_inputs(T, H, K, seed=42)
+    pool = _pool(5, H, K, V, idx, seed=43)
+    before = pool.clone()
+    init = _pool_init(pool, idx, H, K, V)
+    o, ck = kt.kda_extend_pool(
+        q, k, v, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, ssm_states=pool,
+        cache_indices=torch.tensor(idx, device=DEV), cu_seqlens=torch.tensor(bounds, device=DEV),
+        checkpoint_every=64, prefix_lens=prefixes, cu_seqlens_cpu=bounds, cache_indices_cpu=idx,
+    )  # fmt: skip
+    g = naive_kda_gate(g_raw.double(), A_log, dt_bias)
+    beta = torch.sigmoid(beta_raw.double())
+    cu = torch.tensor(bounds, device=DEV)
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v), g, beta, initial_state=init, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _check_pool(pool, before, idx, rh)
+    ref_states, ref_seqs, ref_pos = _ref_checkpoints(
+        q, k, v, g, beta, init, bounds, prefixes, 64, l2=True
+    )
+    keep = [i for i, n in enumerate(ref_seqs) if idx[n] >= 0]
+    assert ref_seqs == [0, 1] and keep == [1]
+    _check_checkpoints(ck, (ref_states[keep], [ref_seqs[i] for i in keep], [ref_pos[i] for i in keep]))
+
+
 def _safe_gate(g_raw, A_log, dt_bias, lower_bound):
     H, K = g_raw.shape[-2:]
     x = g_raw.double() + dt_bias.double().reshape(H, K)
