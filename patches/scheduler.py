@@ -359,8 +359,23 @@ def apply(ctx) -> None:
     cls._sglang_kda_budget_patched = True
 
 
+TRACE_ENV = "SGLANG_KDA_BUDGET_TRACE"  # a file: one JSON line per step (shape, seconds, pred)
+
+
 def _observe(st: BudgetRuntime, shape, seconds: float) -> None:
     f = st.fit
+    trace = os.environ.get(TRACE_ENV)
+    if trace:
+        import json
+
+        with open(trace, "a") as fh:
+            row = {
+                "decode_ctx": list(shape.decode_ctx),
+                "slices": [[s.prefix, s.extend] for s in shape.slices],
+                "seconds": seconds,
+                "predicted": f.model.predict(shape),
+            }
+            fh.write(json.dumps(row) + "\n")
     f.observe(shape, seconds)
     _inc("steps")
     m = _prom().get("err")

@@ -296,6 +296,8 @@ class OnlineFit:
     refit_every: steps between refits.
     min_samples: steps before the first refit (until then the starting model stands).
     drift_threshold: relative error (EMA) past which :attr:`drifting` is true.
+    outlier: steps this many times slower or faster than the first fit are left out of the
+        refit.
     """
 
     model: CostModel
@@ -304,6 +306,7 @@ class OnlineFit:
     min_samples: int = 12
     drift_threshold: float = 0.3
     ema_alpha: float = 0.1
+    outlier: float = 2.0
     samples_x: list = field(default_factory=list)
     samples_y: list = field(default_factory=list)
     n_observed: int = 0
@@ -332,12 +335,22 @@ class OnlineFit:
         return err
 
     def refit(self) -> CostModel:
-        """Refit on the window, weighting each step by 1 / its time (relative error)."""
+        """Refit on the window, weighting each step by 1 / its time (relative error).
+
+        Robust to stalls (a first step that compiles, a machine busy with something else): after
+        a first fit, steps more than ``outlier`` times off are left out (at most a quarter of
+        the window) and the fit is redone."""
         x = np.array(self.samples_x)
         y = np.array(self.samples_y)
         w = 1.0 / np.maximum(y, 1e-6)
         scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of very different size
-        v = nnls(x * w[:, None] / scale, y * w)
+        a, b = x * w[:, None] / scale, y * w
+        v = nnls(a, b)
+        ratio = np.maximum(a @ v, 1e-12)  # predicted / measured
+        off = np.maximum(ratio, 1.0 / ratio)
+        keep = off <= self.outlier
+        if keep.sum() >= max(len(y) * 3 // 4, x.shape[1]) and not keep.all():
+            v = nnls(a[keep], b[keep])
         prior = self.model.coef.as_vector()
         # A feature never seen in the window (no prefill yet, say) keeps its prior coefficient.
         seen = np.abs(x).max(axis=0) > 0
