@@ -131,8 +131,9 @@ def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) ->
     for s in streams:
         s.stop.set()
     base = [x for s in streams for x in s.itls(base0, base1)]
-    during = [x for s in streams for x in s.itls(res["t0"], res["t1"])]
-    gap = max((x for s in streams for x in s.itls(res["t0"], res["t1"] + 0.3)), default=0.0)
+    # Up to the first decode token after the prompt's answer: a stall shows in the gap.
+    during = [x for s in streams for x in s.itls(res["t0"], res["t1"] + 0.3)]
+    gap = max(during, default=0.0)
     for s in streams:
         s.join(timeout=30)
     time.sleep(1.0)
@@ -154,6 +155,13 @@ def alone_time(server: Server, tokens: Tokens, args) -> float:
     return long_request(server.url, tokens.take(args.long), None)["ttft_s"]
 
 
+def _num(v: str):
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
 def experiment_slices(args, model: str) -> list[dict]:
     rows = []
     common = ["--enable-metrics", "--mem-fraction-static", "0.1"]
@@ -161,14 +169,21 @@ def experiment_slices(args, model: str) -> list[dict]:
         (f"stock chunk {c}", "stock", ["--chunked-prefill-size", str(c)], None)
         for c in args.stock_chunks
     ]
-    configs.append(
-        (
-            f"stock mixed chunk {args.stock_chunks[-1]}",
-            "stock",
-            ["--chunked-prefill-size", str(args.stock_chunks[-1]), "--enable-mixed-chunk"],
-            None,
+    if args.keep_stock:
+        with open(OUT / "slices.csv") as f:
+            for r in csv.DictReader(f):
+                if r["policy"] == "stock":
+                    rows.append({k: _num(v) for k, v in r.items()})
+        configs = []
+    else:
+        configs.append(
+            (
+                f"stock mixed chunk {args.stock_chunks[-1]}",
+                "stock",
+                ["--chunked-prefill-size", str(args.stock_chunks[-1]), "--enable-mixed-chunk"],
+                None,
+            )
         )
-    )
     for t in args.itl_targets:
         configs.append(
             (
@@ -306,6 +321,11 @@ def main() -> int:
     p.add_argument("--odd-chunk", type=int, default=1000)
     p.add_argument("--only", choices=["slices", "cuts"], default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keep-stock",
+        action="store_true",
+        help="run only the serial configurations; keep the stock rows of an earlier slices.csv",
+    )
     args = p.parse_args()
     if args.quick:
         args.stock_chunks = args.stock_chunks[-2:]
