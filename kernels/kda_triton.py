@@ -188,7 +188,8 @@ def _offdiag_pair(
         m_k = o_k < K
         b_n = tl.load(g_cum + i_n.to(tl.int64) * (H * K) + o_k, mask=m_k & m_n, other=0.0)
         # both exponents are <= 0 on real rows; the clamp keeps masked rows (G read as 0) finite
-        b_e = tl.math.exp2(tl.minimum(_load_rows(g_cum, o_rs, m_rs, o_k, m_k, H * K) - b_n[None, :], 0.0))
+        b_gs = _load_rows(g_cum, o_rs, m_rs, o_k, m_k, H * K)
+        b_e = tl.math.exp2(tl.minimum(b_gs - b_n[None, :], 0.0))
         b_qs = _load_rows(q, o_rs, m_rs, o_k, m_k, H * K).to(tl.float32) * b_rqs[:, None]
         b_ks = _load_rows(k, o_rs, m_rs, o_k, m_k, H * K).to(tl.float32) * b_rks[:, None]
         b_gt = _load_rows(g_cum, o_rt, m_rt, o_k, m_k, H * K)
@@ -275,7 +276,6 @@ def chunk_kda_fwd_intra_kernel(
     Aqk += (bos * H + i_h) * BT
     Akk += (bos * H + i_h) * BT
     beta += bos * H + i_h
-    DT = Aqk.dtype.element_ty
 
     o_c = tl.arange(0, BC)
     o_r0 = i_t0 + o_c
@@ -360,7 +360,8 @@ def chunk_kda_fwd_intra_kernel(
     _store_rows(Aqk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT,
                 tl.where(m_causal, b_Aqk33 * scale, 0.0))  # fmt: skip
     # beta * A, strictly lower, fp32, for the solve kernel
-    _store_rows(Akk, o_r0, m_r0, o_c, m_all, H * BT, tl.where(m_strict, b_Akk00 * b_b0[:, None], 0.0))
+    _store_rows(Akk, o_r0, m_r0, o_c, m_all, H * BT,
+                tl.where(m_strict, b_Akk00 * b_b0[:, None], 0.0))  # fmt: skip
     _store_rows(Akk, o_r1, m_r1, BC + o_c, m_all, H * BT,
                 tl.where(m_strict, b_Akk11 * b_b1[:, None], 0.0))  # fmt: skip
     _store_rows(Akk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT,
@@ -869,7 +870,7 @@ KERNEL_CONFIG: dict[str, int] = {
     "intra_warps": _env_int("SGLANG_KDA_INTRA_WARPS", 4),
     "intra_stages": _env_int("SGLANG_KDA_INTRA_STAGES", 1),
     "solve_warps": _env_int("SGLANG_KDA_SOLVE_WARPS", 1),
-    "wu_bk": _env_int("SGLANG_KDA_WU_BK", 0),  # 0: twice the intra K slice, at most 64
+    "wu_bk": _env_int("SGLANG_KDA_WU_BK", 32),
     "wu_bv": _env_int("SGLANG_KDA_WU_BV", 64),
     "wu_warps": _env_int("SGLANG_KDA_WU_WARPS", 4),
     "wu_stages": _env_int("SGLANG_KDA_WU_STAGES", 2),
@@ -984,7 +985,7 @@ def chunk_kda_fwd(
     if checkpoint_every is not None:
         C = checkpoint_every
         counts = [0 if padded and padded[i] else (p + n) // C - p // C
-                  for i, (p, n) in enumerate(zip(prefixes, lens))]  # fmt: skip
+                  for i, (p, n) in enumerate(zip(prefixes, lens, strict=True))]  # fmt: skip
         M = sum(counts)
         ck_buf = torch.empty(M, H, K, V, dtype=torch.float32, device=device)
         starts = [0] * (N + 1)
@@ -995,7 +996,7 @@ def chunk_kda_fwd(
             torch.arange(N, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
         )
         positions = torch.tensor(
-            [m * C for i, (p, n) in enumerate(zip(prefixes, lens)) if counts[i]
+            [m * C for i, (p, n) in enumerate(zip(prefixes, lens, strict=True)) if counts[i]
              for m in range(p // C + 1, (p + n) // C + 1)],
             dtype=torch.long,
         )
@@ -1050,7 +1051,7 @@ def chunk_kda_fwd(
         chunk_kda_fwd_wu_kernel[(NT, H)](
             q=q, k=k, v=v, beta=beta, g_cum=g_cum, Ai=Ai, qg=qg, kg=kg, w=w, u=u,
             cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices, prefix_lens=prefix_d,
-            scale=scale, T=Ttot, H=H, K=K, V=V, BT=BT, BK=KERNEL_CONFIG["wu_bk"] or min(64, BK_i * 2),
+            scale=scale, T=Ttot, H=H, K=K, V=V, BT=BT, BK=KERNEL_CONFIG["wu_bk"],
             BV=KERNEL_CONFIG["wu_bv"], USE_QK_L2NORM=use_qk_l2norm, BETA_IS_RAW=beta_is_raw,
             DOT_PREC=prec, num_warps=KERNEL_CONFIG["wu_warps"],
             num_stages=KERNEL_CONFIG["wu_stages"],

@@ -380,8 +380,8 @@ def test_extend_pool_host_metadata_padded_entries_emit_nothing(poisoned):
     read of the bounds, and a padded entry (index -1) gets no checkpoint rows while the real
     entries' rows, outputs and pool rows are unchanged."""
     H, K, V = 1, 32, 32
-    lens, idx, prefixes = [70, 66], [-1, 3], [0, 10]
-    bounds = [0, 70, 136]
+    idx, prefixes = [-1, 3], [0, 10]
+    bounds = [0, 70, 136]  # lengths 70, 66
     T = bounds[-1]
     q, k, v, _, _ = _inputs(1, T, H, K, V, seed=41)
     g_raw, beta_raw, A_log, dt_bias = _gate_inputs(T, H, K, seed=42)
@@ -407,7 +407,8 @@ def test_extend_pool_host_metadata_padded_entries_emit_nothing(poisoned):
     )
     keep = [i for i, n in enumerate(ref_seqs) if idx[n] >= 0]
     assert ref_seqs == [0, 1] and keep == [1]
-    _check_checkpoints(ck, (ref_states[keep], [ref_seqs[i] for i in keep], [ref_pos[i] for i in keep]))
+    ref = (ref_states[keep], [ref_seqs[i] for i in keep], [ref_pos[i] for i in keep])
+    _check_checkpoints(ck, ref)
 
 
 def _safe_gate(g_raw, A_log, dt_bias, lower_bound):
