@@ -25,7 +25,7 @@ from sglang_kda.policy.cost_model import (
 
 TRUE = CostModel(
     Coefficients(
-        overhead=4e-3, per_token=3e-5, per_kda_step=5e-4, per_attn_unit=2e-9, per_decode_ctx=3e-8
+        overhead=4e-3, per_token=3e-5, per_kda_step=5e-4, per_attn_unit=2e-9, per_decode_ctx=2e-9
     ),
     kda_layers=3,
     mla_layers=1,
@@ -147,13 +147,24 @@ def test_online_fit_converges_and_reports_drift():
 
 
 def test_unseen_feature_keeps_its_prior():
-    """Decode-only steps say nothing about prefill attention: its prior coefficient stays."""
+    """Prefill-only steps with no KDA-step variation aside, a feature never seen keeps its
+    prior: decode-only steps say nothing about serial KDA chunk steps of slices."""
     rng = random.Random(3)
-    shapes = [
-        BatchShape.of([rng.randint(1, 500) for _ in range(rng.randint(1, 8))]) for _ in range(50)
-    ]
+    shapes = [BatchShape.of(slices=[(0, rng.choice([64, 128, 640]))]) for _ in range(50)]
     got = fit(shapes, [TRUE.predict(s) for s in shapes], CostModel(kda_layers=3))
-    assert got.coef.per_attn_unit == CostModel().coef.per_attn_unit
+    assert got.coef.per_decode_ctx == got.coef.per_attn_unit  # priced alike (tied in the fit)
+
+
+def test_decode_context_priced_as_attention():
+    """Decode-only steps with similar contexts cannot tell a context term from the overhead;
+    the fit prices a decode token's context as one-token-slice attention instead of chasing
+    noise into a huge per-context coefficient."""
+    rng = random.Random(5)
+    shapes = [BatchShape.of([rng.randint(250, 300)] * 4) for _ in range(40)]
+    secs = [0.05 * rng.uniform(0.5, 2.0) for _ in shapes]
+    got = fit(shapes, secs, CostModel(kda_layers=3))
+    long_ctx = BatchShape.of([20_000] * 4)
+    assert got.predict(long_ctx) < 10 * max(secs)
 
 
 def test_file_round_trip(tmp_path):

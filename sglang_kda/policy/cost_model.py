@@ -298,6 +298,7 @@ class OnlineFit:
     drift_threshold: relative error (EMA) past which :attr:`drifting` is true.
     outlier: steps this many times slower or faster than the first fit are left out of the
         refit.
+    ridge: weight of the pull toward the current coefficients (in units of one step).
     """
 
     model: CostModel
@@ -307,6 +308,7 @@ class OnlineFit:
     drift_threshold: float = 0.3
     ema_alpha: float = 0.1
     outlier: float = 2.0
+    ridge: float = 1.0
     samples_x: list = field(default_factory=list)
     samples_y: list = field(default_factory=list)
     n_observed: int = 0
@@ -342,19 +344,39 @@ class OnlineFit:
         the window) and the fit is redone."""
         x = np.array(self.samples_x)
         y = np.array(self.samples_y)
+        prior = self.model.coef.as_vector()
+        # A decode token attends to its context as a one-token slice does (``attention_work(L,
+        # 1) ~ L``): the fit prices both with one coefficient. Fitted apart, the decode-context
+        # term cannot be told from the per-forward overhead while decode batches have similar
+        # contexts, and follows the noise.
+        x = x.copy()
+        x[:, 3] += x[:, 4]
+        x[:, 4] = 0.0
         w = 1.0 / np.maximum(y, 1e-6)
         scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of very different size
         a, b = x * w[:, None] / scale, y * w
-        v = nnls(a, b)
+        # Ridge rows pull each coefficient toward the current one: a direction the steps do not
+        # excite (decode context vs overhead when every decode batch has about the same
+        # context) stays where it was instead of following the noise; a well-excited one
+        # (curvature ~ number of steps) barely feels it.
+        k = x.shape[1]
+        ridge_a = np.sqrt(self.ridge) * np.eye(k)
+        ridge_b = np.sqrt(self.ridge) * prior * scale
+
+        def solve(rows: np.ndarray) -> np.ndarray:
+            return nnls(np.vstack([a[rows], ridge_a]), np.concatenate([b[rows], ridge_b]))
+
+        v = solve(np.ones(len(y), dtype=bool))
         ratio = np.maximum(a @ v, 1e-12)  # predicted / measured
         off = np.maximum(ratio, 1.0 / ratio)
         keep = off <= self.outlier
-        if keep.sum() >= max(len(y) * 3 // 4, x.shape[1]) and not keep.all():
-            v = nnls(a[keep], b[keep])
-        prior = self.model.coef.as_vector()
+        if keep.sum() >= max(len(y) * 3 // 4, k) and not keep.all():
+            v = solve(keep)
         # A feature never seen in the window (no prefill yet, say) keeps its prior coefficient.
         seen = np.abs(x).max(axis=0) > 0
         coef = np.where(seen, v / scale, prior)
+        if seen[3]:
+            coef[4] = coef[3]
         self.model = replace(self.model, coef=Coefficients.from_vector(coef))
         return self.model
 
