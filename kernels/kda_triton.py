@@ -974,14 +974,16 @@ def chunk_kda_fwd(
     c_in_seq = torch.arange(NT, dtype=torch.long) - torch.repeat_interleave(
         torch.tensor(coff[:-1], dtype=torch.long), nch_t
     )
-    chunk_indices = torch.stack([seq_of, c_in_seq], 1).to(torch.int32).to(device)
-    chunk_offsets = torch.tensor(coff[:-1] or [0], dtype=torch.int64, device=device)
-    cu_seqlens_d = torch.tensor(bounds, dtype=torch.int64, device=device)
-    prefix_d = torch.tensor(prefixes or [0], dtype=torch.int64, device=device)
-
-    ckpt = None
+    # every int64 table of this call goes to the device in one copy (pinned, non-blocking on
+    # CUDA): chunk table, chunk offsets, bounds, prefixes, checkpoint offsets / rows
+    parts = [
+        torch.stack([seq_of, c_in_seq], 1).reshape(-1),
+        torch.tensor(coff[:-1] or [0], dtype=torch.long),
+        torch.tensor(bounds, dtype=torch.long),
+        torch.tensor(prefixes or [0], dtype=torch.long),
+    ]
     ck_buf = None
-    ck_offsets = None
+    M = 0
     if checkpoint_every is not None:
         C = checkpoint_every
         counts = [0 if padded and padded[i] else (p + n) // C - p // C
@@ -991,16 +993,27 @@ def chunk_kda_fwd(
         starts = [0] * (N + 1)
         for i in range(N):
             starts[i + 1] = starts[i] + counts[i]
-        ck_offsets = torch.tensor(starts[:-1] or [0], dtype=torch.int64, device=device)
-        seq_idx = torch.repeat_interleave(
+        parts.append(torch.tensor(starts[:-1] or [0], dtype=torch.long))
+        parts.append(torch.repeat_interleave(
             torch.arange(N, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
-        )
-        positions = torch.tensor(
+        ))  # fmt: skip
+        parts.append(torch.tensor(
             [m * C for i, (p, n) in enumerate(zip(prefixes, lens, strict=True)) if counts[i]
              for m in range(p // C + 1, (p + n) // C + 1)],
             dtype=torch.long,
-        )
-        ckpt = KDACheckpoints(ck_buf, seq_idx.to(device), positions.to(device))
+        ))  # fmt: skip
+    host = torch.cat(parts)
+    if device.type == "cuda":
+        meta = host.pin_memory().to(device, non_blocking=True)
+    else:
+        meta = host.to(device)
+    views = list(torch.split(meta, [x.numel() for x in parts]))
+    chunk_indices, chunk_offsets, cu_seqlens_d, prefix_d = views[:4]
+    ckpt = None
+    ck_offsets = None
+    if checkpoint_every is not None:
+        ck_offsets, seq_idx, positions = views[4:]
+        ckpt = KDACheckpoints(ck_buf, seq_idx, positions)
         if M == 0:
             ck_buf = None
 
