@@ -27,7 +27,10 @@ caller), never read from a clock, so the same object runs in the scheduler and i
 Calibration (:class:`OnlineFit`): the scheduler records each real step (its shape and measured
 seconds) and refits the coefficients by non-negative least squares over a window of recent steps;
 the fit starts from a file (``--kda-cost-model FILE``, or a cache file keyed by model, device and
-dtype) when one exists, and is saved back. The relative prediction error on real steps is kept
+dtype) when one exists, and is saved back. The fit leaves out stalled steps (more than 2x off a
+first fit), pulls each coefficient gently toward its current value (ridge), and prices a decode
+token's context like a one-token slice's attention (``per_decode_ctx = per_attn_unit``).
+The relative prediction error on real steps is kept
 as an exponential moving average; :attr:`OnlineFit.drifting` says when it exceeds a threshold.
 """
 
