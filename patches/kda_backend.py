@@ -153,19 +153,10 @@ def make_kernel_class(base: type, kernel: str) -> type:
                     "snapshot; run with --mamba-radix-cache-strategy no_buffer"
                 )
             call = _layer_call
-            if call is None:
-                return ops.kda_extend_pool(
-                    q, k, v, g, beta,
-                    A_log=A_log,
-                    dt_bias=dt_bias,
-                    ssm_states=ssm_states,
-                    cache_indices=cache_indices,
-                    cu_seqlens=query_start_loc,
-                    use_qk_l2norm=True,
-                    lower_bound=lower_bound,
-                )  # fmt: skip
-            cap, layer_id, windows = call
-            o, ck = ops.kda_extend_pool(
+            extra = {}
+            if call is not None:  # capture grid checkpoints for the cache
+                extra = {"checkpoint_every": call[0].every, "prefix_lens": call[0].prefix_lens}
+            res = ops.kda_extend_pool(
                 q, k, v, g, beta,
                 A_log=A_log,
                 dt_bias=dt_bias,
@@ -174,9 +165,11 @@ def make_kernel_class(base: type, kernel: str) -> type:
                 cu_seqlens=query_start_loc,
                 use_qk_l2norm=True,
                 lower_bound=lower_bound,
-                checkpoint_every=cap.every,
-                prefix_lens=cap.prefix_lens,
+                **extra,
             )  # fmt: skip
+            if call is None:
+                return res
+            (cap, layer_id, windows), (o, ck) = call, res
             rows = list(zip(ck.seq_idx.tolist(), ck.positions.tolist(), strict=True))
             if rows == cap.rows:  # fla layout [M, H, K, V] -> the pool's [M, H, V, K]
                 cap.add_layer(layer_id, ck.states.transpose(-1, -2).contiguous(), windows)
