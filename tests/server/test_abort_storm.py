@@ -5,7 +5,7 @@ on) one server takes a storm of concurrent requests, most of which are abandoned
 
 - ``before-first-token``: a raw socket sends the request and closes after a short random delay,
   without reading anything (streaming and non-streaming, short and long prompts);
-- ``mid-prefill``: long streaming prompts (5-7 chunks of 64 tokens) on a bare socket, closed
+- ``mid-prefill``: long streaming prompts (32-42 chunks of 64 tokens) on a bare socket, closed
   after a short random delay; counted only when no token had arrived yet (the request was queued
   or being prefilled chunk by chunk);
 - ``mid-decode``: streaming, closed after a few tokens have arrived;
@@ -132,7 +132,10 @@ def _storm_job(server, kind: str, seed: int, prefix: list[int]) -> tuple[str, bo
         got_token = _raw_hang_up(server, _payload(ids, 64, stream), rng.uniform(0.0, 0.05))
         return kind, not got_token
     if kind == "mid-prefill":
-        got_token = _raw_hang_up(server, _payload(long_ids, 64, True), rng.uniform(0.1, 0.8))
+        # 30-40 chunks: long enough that the prefill is still running when the client hangs up,
+        # on a quiet machine (a 64-token round takes ~30 ms there) as on a loaded one.
+        very_long = prefix + _ids(rng, rng.randrange(CHUNK * 30, CHUNK * 40))
+        got_token = _raw_hang_up(server, _payload(very_long, 64, True), rng.uniform(0.05, 0.4))
         return kind, not got_token
     if kind == "mid-decode":
         n = rng.randrange(2, 6)
