@@ -54,7 +54,6 @@ import csv
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -65,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
+
+from sglang_kda.process import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = 64
@@ -146,16 +147,7 @@ class Server:
         raise TimeoutError(f"{self.policy} server not ready; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+        stop_process_group(self.proc, grace_s=60)
         self._fh.close()
 
     def flush_cache(self, timeout_s: float = 120) -> None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +28,8 @@ import time
 from pathlib import Path
 
 import requests
+
+from sglang_kda.process import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = (
@@ -76,14 +76,7 @@ def start_server(
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    stop_process_group(proc, grace_s=60)
 
 
 def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:

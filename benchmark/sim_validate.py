@@ -36,7 +36,6 @@ import asyncio
 import csv
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -61,6 +60,7 @@ from sglang_kda.policy.cost_model import (  # noqa: E402
 from sglang_kda.sim import trace as T  # noqa: E402
 from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS  # noqa: E402
 from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
+from sglang_kda.process import stop_process_group  # noqa: E402
 from sglang_kda.sim.metrics import percentile, summarize  # noqa: E402
 
 CHUNK = 256
@@ -119,16 +119,7 @@ class Server:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+        stop_process_group(self.proc, grace_s=60)
         self._fh.close()
 
     def flush(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from sglang_kda.process import stop_process_group
 
 START_TIMEOUT_S = 420
 CHUNK = 64
@@ -73,16 +74,7 @@ class Server:
         return requests.get(self.url + path, timeout=timeout)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=30)
+        stop_process_group(self.proc, grace_s=30)
         self._log_fh.close()
 
 
