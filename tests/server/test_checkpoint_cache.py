@@ -227,7 +227,7 @@ def test_metrics_expose_the_cache_counters(server):
         assert name in text, name
 
 
-# --- Twins off, a small state pool and checkpoint cap: in-flight resume, eviction pressure ------------------
+# --- Twins off, a small state pool and checkpoint cap: in-flight resume, eviction pressure ---
 
 
 @pytest.fixture(scope="module")
