@@ -23,6 +23,7 @@ Remove when: upstream ships a CPU KDA path and a chunk kernel that returns fp32 
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -32,7 +33,9 @@ UPSTREAM = "sglang.srt.layers.attention.linear.kda_backend"
 # Grid checkpoint capture (``--kda-policy kda`` with our kernels): the checkpoint spacing (0 =
 # off), the capture of the forward in progress, and the KDA layer call in progress.
 CAPTURE_EVERY = 0
-_current: Optional[tuple] = None  # (forward_batch, ForwardCapture)
+# (forward_batch, ForwardCapture, state-pool rows, row offsets of the sequences): read once per
+# forward, not once per KDA layer.
+_current: Optional[tuple] = None
 _layer_call: Optional[tuple] = None  # (ForwardCapture, layer_id, conv windows [M, W, D])
 
 
@@ -43,7 +46,7 @@ def take_capture():
     return None if cur is None else cur[1]
 
 
-def _capture_for(forward_batch, every: int):
+def _capture_for(backend, forward_batch, every: int) -> tuple:
     global _current
     from sglang_kda.cache.capture import ForwardCapture
 
@@ -51,8 +54,10 @@ def _capture_for(forward_batch, every: int):
         cap = ForwardCapture.open(
             forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu, every
         )
-        _current = (forward_batch, cap)
-    return _current[1]
+        idx = backend.forward_metadata.mamba_cache_indices.tolist() if cap.rows else []
+        starts = [0, *itertools.accumulate(cap.extend_lens)]  # = query_start_loc
+        _current = (forward_batch, cap, idx, starts)
+    return _current
 
 
 def _wrap_forward_extend(orig):
@@ -71,13 +76,11 @@ def _wrap_forward_extend(orig):
             or forward_batch.extend_seq_lens_cpu is None
         ):
             return orig(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
-        cap = _capture_for(forward_batch, every)
+        _, cap, idx, starts = _capture_for(self, forward_batch, every)
         if not cap.rows:
             return orig(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
         conv_pool = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id).conv[0]
         width = layer.conv_weights.shape[-1] - 1
-        idx = self.forward_metadata.mamba_cache_indices.tolist()
-        starts = self.forward_metadata.query_start_loc.tolist()
         windows = []
         for i, (p, n) in enumerate(zip(cap.prefix_lens, cap.extend_lens, strict=True)):
             pos = cap.positions_of(i)

@@ -109,9 +109,8 @@ def rank_reports(server_info: dict) -> list[dict]:
 def cache_report(scheduler) -> dict:
     """The checkpoint cache's counters and an integrity check of tree, state pool and the live
     requests (run here, between scheduler steps, where every live request is accounted for)."""
-    from sglang_kda.cache.checkpoints import IntegrityError, integrity_report
+    from sglang_kda.cache.checkpoints import IntegrityError, held_states, integrity_report
     from sglang_kda.cache.stats import STATS
-    from sglang_kda.cache.checkpoints import held_states
     from sglang_kda.patches.batch_result_processor import LAST_INTEGRITY, checkpoint_nbytes
 
     tree = getattr(scheduler, "tree_cache", None)
