@@ -12,9 +12,11 @@ Recurrence, per sequence and head, with an fp32 state ``S`` of shape [K, V]::
    (``g = -exp(A_log) * softplus(g_raw + dt_bias)``, ``beta = sigmoid(beta_raw)``) and L2 norm,
    in-chunk cumulative decay ``G`` (log2 units, stored fp32), then the strictly-lower
    ``beta_i k_i.(k_j exp(G_i - G_j))`` (fp32 scratch ``Akk``) and the causal ``Aqk``: the four
-   16x16 diagonal blocks exactly, all pairs at once as one [K slice, 16, 16] broadcast with the
-   channel axis first (the reduction stays in registers), the six off-diagonal blocks one pair
-   at a time (two accumulators live) on the tensor cores.
+   16x16 diagonal blocks one at a time, each as two 8-row halves whose pairs are exact (both
+   halves in one [K slice, 2, 8, 8] broadcast, channel axis first: the reduction stays in
+   registers) and a lower-left 8x8 quarter factored through the decay of the row between them
+   (fp32, one exponential per row and channel); the six off-diagonal blocks one pair at a time
+   (two accumulators live) on the tensor cores. 128 registers (``maxnreg``), no spills.
 2. :func:`chunk_kda_fwd_solve_kernel`: ``(I + A)^-1`` per (chunk, head): the diagonal blocks by
    the product form ``(I - A)(I + A^2)(I + A^4)(I + A^8)`` (A is nilpotent; six 16x16 dots,
    ~fp32 ``tf32x3`` for 16-bit inputs), then the block rows merged; stored in the input dtype.
@@ -34,13 +36,14 @@ Numerics: per-token decays can reach -13, so the in-chunk cumulative sum reaches
 nothing ``exp(G)``-shaped may be split into ``exp(G_i) * exp(-G_j)``. Every exponent here is a
 difference ``G_a - G_b`` with ``a`` at or after ``b`` (<= 0: factors can only underflow, and then
 the true product is smaller still). Off-diagonal 16x16 blocks factor through the decay at the
-last row before the row block (both factors <= 1, then a ``tl.dot``); diagonal blocks are
-computed pair by pair with ``exp2(min(G_i - G_j, 0))``.
+last row before the row block (both factors <= 1, then a ``tl.dot``); inside a diagonal
+block the pairs of each 8-row half are computed one by one with ``exp2(min(G_i - G_j, 0))`` and
+the lower-left quarter factors the same way through the row between the halves.
 
 Blocks (see ``KERNEL_CONFIG``, env-overridable; no autotuning because the state kernel updates
 the pool and ``u`` in place; ``benchmark/kernel_static.py`` compares the compiled code of each
 choice for sm_90 without a GPU): intra BT=64, BC=16, K slices of 32 (pairs: 8), 4 warps, 1
-stage; solve 1 warp (16x16 dots, no replication); w/u K slices of
+stage, at most 128 registers; solve 1 warp (16x16 dots, no replication); w/u K slices of
 32, V slices of 64; state kernel holds the whole K (next
 power of two) x BV=32 fp32 state in registers, 4 warps, 2 stages; output kernel BV=128.
 Intermediates (qg, kg, w, u/v_new, Aqk, the inverse, per-chunk states) are in the input dtype,
@@ -142,31 +145,74 @@ def _load_beta(beta, o_r, m_r, H: tl.constexpr, BETA_IS_RAW: tl.constexpr):
 
 
 @triton.jit
-def _diag_pairs(b_Aqk, b_Akk, b_qT, b_kT, b_gT):
-    """Exact in-sub-chunk pair terms for one K slice, all pairs at once.
+def _diag_block(
+    q, k, g_cum, Aqk, Akk, i_r0, T, b_rq, b_rk, b_b, col0, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+):  # fmt: skip
+    """Diagonal [BC, BC] blocks of Aqk (causal, scaled) and Akk (strict, times beta) of the
+    sub-chunk starting at row ``i_r0``, over all of K, stored straight away (the upper-right
+    quarter as zeros). b_rq, b_rk, b_b: [BC] row factors (inverse norms, beta).
 
-    b_qT, b_kT, b_gT: [BKD, BC] *transposed* rows of the sub-chunk (q, k row-normalised) and
-    their cumulative log2 decays. ``A[i, j] += sum_c x_i[c] k_j[c] exp2(min(G_i[c] - G_j[c], 0))``
-    as one [BKD, BC, BC] broadcast with the channel axis first: Triton's default layout then
-    keeps the channels of a pair in one thread, so the reduction is register adds (no shuffles,
-    no serial column loop, no dependent global loads). The exponent is clamped at 0, so the
-    (masked later) upper triangle never overflows.
+    The sub-chunk is two halves a (rows 0..BC/2-1) and b, held as a [2, BC/2] row grid. The
+    pairs inside each half are exact, both halves in one [BKD, 2, BC/2, BC/2] broadcast with
+    the channel axis first (reduced in registers); the b-by-a quarter factors through the
+    decay ``n`` of a's last row, ``exp2(G_i - n) * exp2(n - G_j)`` with both exponents <= 0 (a
+    factor underflows only when the true product is smaller still): one exponential per
+    (row, channel) instead of one per pair, fp32 throughout (no tensor-core rounding). Half
+    the exponentials of a [BC, BC] pair grid.
     """
-    b_ke = b_kT[:, None, :] * tl.math.exp2(tl.minimum(b_gT[:, :, None] - b_gT[:, None, :], 0.0))
-    b_Akk += tl.sum(b_kT[:, :, None] * b_ke, 0)
-    b_Aqk += tl.sum(b_qT[:, :, None] * b_ke, 0)
-    return b_Aqk, b_Akk
-
-
-@triton.jit
-def _load_diag_rows(q, k, g_cum, o_r, m_r, o_k, m_k, b_rq, b_rk, stride):
-    """[BKD, BC] transposed tiles of q, k (row-normalised, fp32) and g_cum."""
-    o = o_r[None, :].to(tl.int64) * stride + o_k[:, None]
-    m = m_r[None, :] & m_k[:, None]
-    b_qT = tl.load(q + o, mask=m, other=0.0).to(tl.float32) * b_rq[None, :]
-    b_kT = tl.load(k + o, mask=m, other=0.0).to(tl.float32) * b_rk[None, :]
-    b_gT = tl.load(g_cum + o, mask=m, other=0.0)
-    return b_qT, b_kT, b_gT
+    HC: tl.constexpr = BC // 2
+    o_h = tl.arange(0, HC)
+    o_2 = tl.arange(0, 2)
+    o_r = i_r0 + o_2[:, None] * HC + o_h[None, :]  # [2, HC]: rows of half a, then half b
+    m_r = (o_r >= 0) & (o_r < T)
+    b_rq2 = tl.reshape(b_rq, [2, HC])
+    b_rk2 = tl.reshape(b_rk, [2, HC])
+    b_A2 = tl.zeros([2, HC, HC], dtype=tl.float32)  # (Aqk_aa, Aqk_bb)
+    b_K2 = tl.zeros([2, HC, HC], dtype=tl.float32)  # (Akk_aa, Akk_bb)
+    b_X2 = tl.zeros([2, HC, HC], dtype=tl.float32)  # (Aqk_ba, Akk_ba)
+    i_n = i_r0 + HC - 1
+    m_n = (i_n >= 0) & (i_n < T)
+    for i_k in range(tl.cdiv(K, BKD)):
+        o_k = i_k * BKD + tl.arange(0, BKD)
+        m_k = o_k < K
+        o = o_r[None, :, :].to(tl.int64) * (H * K) + o_k[:, None, None]
+        m = m_r[None, :, :] & m_k[:, None, None]
+        b_q = tl.load(q + o, mask=m, other=0.0).to(tl.float32) * b_rq2[None, :, :]
+        b_k = tl.load(k + o, mask=m, other=0.0).to(tl.float32) * b_rk2[None, :, :]
+        b_g = tl.load(g_cum + o, mask=m, other=0.0)  # [BKD, 2, HC]
+        b_ke = b_k[:, :, None, :] * tl.math.exp2(
+            tl.minimum(b_g[:, :, :, None] - b_g[:, :, None, :], 0.0)
+        )
+        b_K2 += tl.sum(b_k[:, :, :, None] * b_ke, 0)
+        b_A2 += tl.sum(b_q[:, :, :, None] * b_ke, 0)
+        # b-by-a quarter through the reference decay n
+        b_n = tl.load(g_cum + i_n.to(tl.int64) * (H * K) + o_k, mask=m_k & m_n, other=0.0)
+        b_e = tl.math.exp2(tl.minimum(
+            (b_g - b_n[:, None, None]) * tl.where(o_2 == 1, 1.0, -1.0)[None, :, None], 0.0
+        ))  # fmt: skip
+        _, b_eb = tl.split(tl.permute(b_e, [0, 2, 1]))  # exp2(G_b - n)  [BKD, HC]
+        b_ka, b_kb = tl.split(tl.permute(b_k * b_e, [0, 2, 1]))  # k_a exp2(n - G_a), k_b ..
+        _, b_qb = tl.split(tl.permute(b_q, [0, 2, 1]))
+        b_x = tl.join(b_qb * b_eb, b_kb)  # [BKD, HC, 2] -> rows of (Aqk_ba, Akk_ba)
+        b_X2 += tl.sum(tl.permute(b_x, [0, 2, 1])[:, :, :, None] * b_ka[:, None, None, :], 0)
+    b_b2 = tl.reshape(b_b, [2, HC])
+    o_c = col0 + o_2[:, None, None] * HC + o_h[None, None, :]  # [2, 1, HC]
+    p_r = o_r[:, :, None].to(tl.int64) * (H * BT)
+    m_s = m_r[:, :, None] & (o_h[None, None, :] < HC)
+    m_causal = o_h[None, :, None] >= o_h[None, None, :]
+    m_strict = o_h[None, :, None] > o_h[None, None, :]
+    b_z = tl.zeros([2, HC, HC], dtype=tl.float32)
+    # diagonal quarters; the upper-right quarter (rows a, columns of b) as zeros
+    tl.store(Aqk + p_r + o_c, tl.where(m_causal, b_A2 * scale, 0.0).to(Aqk.dtype.element_ty),
+             mask=m_s)  # fmt: skip
+    tl.store(Akk + p_r + o_c, tl.where(m_strict, b_K2 * b_b2[:, :, None], 0.0), mask=m_s)
+    o_x = col0 + (1 - o_2[:, None, None]) * HC + o_h[None, None, :]  # a: cols of b; b: of a
+    b_Aba, b_Kba = tl.split(tl.permute(b_X2, [1, 2, 0]))
+    b_Aq = tl.where(o_2[:, None, None] == 1, b_Aba[None, :, :] * scale, b_z)
+    b_Ak = tl.where(o_2[:, None, None] == 1, b_Kba[None, :, :] * b_b2[:, :, None], b_z)
+    tl.store(Aqk + p_r + o_x, b_Aq.to(Aqk.dtype.element_ty), mask=m_s)
+    tl.store(Akk + p_r + o_x, b_Ak, mask=m_s)
 
 
 @triton.jit
@@ -325,49 +371,21 @@ def chunk_kda_fwd_intra_kernel(
     # rows of g_cum are re-read below by other threads of this program
     tl.debug_barrier()
 
-    m_strict = o_c[:, None] > o_c[None, :]
-    m_causal = o_c[:, None] >= o_c[None, :]
-    m_all = o_c < BC
     b_b0 = _load_beta(beta, o_r0, m_r0, H, BETA_IS_RAW)
     b_b1 = _load_beta(beta, o_r1, m_r1, H, BETA_IS_RAW)
     b_b2 = _load_beta(beta, o_r2, m_r2, H, BETA_IS_RAW)
     b_b3 = _load_beta(beta, o_r3, m_r3, H, BETA_IS_RAW)
 
-    # ---- diagonal blocks over narrow K slices: exact pairwise decays ------------------------
-    b_Aqk00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Aqk33 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk00 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk11 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk22 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk33 = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BKD)):
-        o_k = i_k * BKD + tl.arange(0, BKD)
-        m_k = o_k < K
-        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r0, m_r0, o_k, m_k, b_rq0, b_rk0, H * K)
-        b_Aqk00, b_Akk00 = _diag_pairs(b_Aqk00, b_Akk00, b_qT, b_kT, b_gT)
-        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r1, m_r1, o_k, m_k, b_rq1, b_rk1, H * K)
-        b_Aqk11, b_Akk11 = _diag_pairs(b_Aqk11, b_Akk11, b_qT, b_kT, b_gT)
-        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r2, m_r2, o_k, m_k, b_rq2, b_rk2, H * K)
-        b_Aqk22, b_Akk22 = _diag_pairs(b_Aqk22, b_Akk22, b_qT, b_kT, b_gT)
-        b_qT, b_kT, b_gT = _load_diag_rows(q, k, g_cum, o_r3, m_r3, o_k, m_k, b_rq3, b_rk3, H * K)
-        b_Aqk33, b_Akk33 = _diag_pairs(b_Aqk33, b_Akk33, b_qT, b_kT, b_gT)
-    _store_rows(Aqk, o_r0, m_r0, o_c, m_all, H * BT, tl.where(m_causal, b_Aqk00 * scale, 0.0))
-    _store_rows(Aqk, o_r1, m_r1, BC + o_c, m_all, H * BT, tl.where(m_causal, b_Aqk11 * scale, 0.0))
-    _store_rows(Aqk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT,
-                tl.where(m_causal, b_Aqk22 * scale, 0.0))  # fmt: skip
-    _store_rows(Aqk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT,
-                tl.where(m_causal, b_Aqk33 * scale, 0.0))  # fmt: skip
-    # beta * A, strictly lower, fp32, for the solve kernel
-    _store_rows(Akk, o_r0, m_r0, o_c, m_all, H * BT,
-                tl.where(m_strict, b_Akk00 * b_b0[:, None], 0.0))  # fmt: skip
-    _store_rows(Akk, o_r1, m_r1, BC + o_c, m_all, H * BT,
-                tl.where(m_strict, b_Akk11 * b_b1[:, None], 0.0))  # fmt: skip
-    _store_rows(Akk, o_r2, m_r2, 2 * BC + o_c, m_all, H * BT,
-                tl.where(m_strict, b_Akk22 * b_b2[:, None], 0.0))  # fmt: skip
-    _store_rows(Akk, o_r3, m_r3, 3 * BC + o_c, m_all, H * BT,
-                tl.where(m_strict, b_Akk33 * b_b3[:, None], 0.0))  # fmt: skip
+    # ---- diagonal blocks over narrow K slices: exact pairwise decays, one sub-chunk at a
+    # time (two [BC, BC] accumulators live: the register peak of the kernel) -----------------
+    _diag_block(q, k, g_cum, Aqk, Akk, i_t0, T, b_rq0, b_rk0, b_b0, 0, scale,
+                H, K, BT, BC, BKD)  # fmt: skip
+    _diag_block(q, k, g_cum, Aqk, Akk, i_t0 + BC, T, b_rq1, b_rk1, b_b1, BC, scale,
+                H, K, BT, BC, BKD)  # fmt: skip
+    _diag_block(q, k, g_cum, Aqk, Akk, i_t0 + 2 * BC, T, b_rq2, b_rk2, b_b2, 2 * BC, scale,
+                H, K, BT, BC, BKD)  # fmt: skip
+    _diag_block(q, k, g_cum, Aqk, Akk, i_t0 + 3 * BC, T, b_rq3, b_rk3, b_b3, 3 * BC, scale,
+                H, K, BT, BC, BKD)  # fmt: skip
 
     # ---- off-diagonal blocks (s > t), one pair at a time: two accumulators live -------------
     # exp2(G_i - n_s) * exp2(n_s - G_j) with n_s the decay at the last row before block s:
@@ -869,6 +887,8 @@ KERNEL_CONFIG: dict[str, int] = {
     "intra_bkd": _env_int("SGLANG_KDA_INTRA_BKD", 8),  # K slice of the diagonal-pair broadcast
     "intra_warps": _env_int("SGLANG_KDA_INTRA_WARPS", 4),
     "intra_stages": _env_int("SGLANG_KDA_INTRA_STAGES", 1),
+    # register cap (0: none): 128 lets four 4-warp blocks share an SM (ptxas fits it unspilled)
+    "intra_maxnreg": _env_int("SGLANG_KDA_INTRA_MAXNREG", 128),
     "solve_warps": _env_int("SGLANG_KDA_SOLVE_WARPS", 1),
     "wu_bk": _env_int("SGLANG_KDA_WU_BK", 32),
     "wu_bv": _env_int("SGLANG_KDA_WU_BV", 64),
@@ -880,6 +900,11 @@ KERNEL_CONFIG: dict[str, int] = {
     "o_bv": _env_int("SGLANG_KDA_O_BV", 128),
     "o_warps": _env_int("SGLANG_KDA_O_WARPS", 4),
 }
+
+
+def _maxnreg(n: int) -> dict:
+    """Launch option capping registers per thread (none when 0)."""
+    return {"maxnreg": n} if n > 0 else {}
 
 
 def _intra_block_k(K: int) -> int:
@@ -953,7 +978,9 @@ def chunk_kda_fwd(
         raise ValueError(f"head dims must satisfy 16 <= K <= 256 and V >= 16, got K={K} V={V}")
     if len(prefixes) != N:
         raise ValueError(f"prefix_lens must have {N} entries, got {len(prefixes)}")
-    if bounds[0] != 0 or bounds[-1] != Ttot or any(a > b for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or bounds[-1] != Ttot or any(
+        a > b for a, b in zip(bounds, bounds[1:], strict=False)
+    ):
         raise ValueError(f"cu_seqlens must rise from 0 to {Ttot}, got {bounds}")
     if checkpoint_every is not None and checkpoint_every % CHUNK_SIZE != 0:
         raise ValueError(f"checkpoint_every must be a multiple of {CHUNK_SIZE}")
@@ -962,7 +989,7 @@ def chunk_kda_fwd(
     BT, BC = CHUNK_SIZE, SUB_CHUNK
     lens = [bounds[i + 1] - bounds[i] for i in range(N)]
     offs = [p % BT for p in prefixes]
-    nch = [-(-(o + n) // BT) if n > 0 else 0 for o, n in zip(offs, lens)]
+    nch = [-(-(o + n) // BT) if n > 0 else 0 for o, n in zip(offs, lens, strict=True)]
     coff = [0] * (N + 1)
     for i in range(N):
         coff[i + 1] = coff[i] + nch[i]
@@ -1054,6 +1081,7 @@ def chunk_kda_fwd(
             BKD=max(8, min(KERNEL_CONFIG["intra_bkd"], triton.next_power_of_2(K))),
             USE_QK_L2NORM=use_qk_l2norm, BETA_IS_RAW=beta_is_raw, DOT_PREC=prec,
             num_warps=KERNEL_CONFIG["intra_warps"], num_stages=KERNEL_CONFIG["intra_stages"],
+            **_maxnreg(KERNEL_CONFIG["intra_maxnreg"]),
         )  # fmt: skip
         chunk_kda_fwd_solve_kernel[(NT, H)](
             Akk=Akk, Ai=Ai, cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices,
