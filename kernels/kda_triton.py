@@ -978,8 +978,10 @@ def chunk_kda_fwd(
         raise ValueError(f"head dims must satisfy 16 <= K <= 256 and V >= 16, got K={K} V={V}")
     if len(prefixes) != N:
         raise ValueError(f"prefix_lens must have {N} entries, got {len(prefixes)}")
-    if bounds[0] != 0 or bounds[-1] != Ttot or any(
-        a > b for a, b in zip(bounds, bounds[1:], strict=False)
+    if (
+        bounds[0] != 0
+        or bounds[-1] != Ttot
+        or any(a > b for a, b in zip(bounds, bounds[1:], strict=False))
     ):
         raise ValueError(f"cu_seqlens must rise from 0 to {Ttot}, got {bounds}")
     if checkpoint_every is not None and checkpoint_every % CHUNK_SIZE != 0:
