@@ -7,7 +7,9 @@ Why: the grid checkpoints captured during the forward must enter the radix tree 
     integrity check also belong right after a prefill step.
 How: before upstream runs, takes the capture (``patches.kda_backend.take_capture``) and hands it
     to :func:`sglang_kda.cache.checkpoints.insert_checkpoints` with the batch's requests; counts
-    the prefill tokens computed; refreshes the held-checkpoint gauges; with
+    the prefill tokens computed; sheds tree states past ``--kda-checkpoint-pool-size`` by the
+    ``--kda-eviction`` rule; refreshes the held-checkpoint gauges (from the tree core's state
+    counters, no tree walk); with
     ``--kda-debug-integrity on`` runs :func:`~sglang_kda.cache.checkpoints.integrity_report` on
     tree, pool and the batch's live requests. Only with ``--kda-policy kda``.
 Remove when: upstream caches per-chunk KDA states (then only the counters remain).
@@ -38,6 +40,7 @@ def apply(ctx) -> None:
     import importlib
 
     from sglang_kda.cache import checkpoints
+    from sglang_kda.cache.eviction import parse_eviction
     from sglang_kda.cache.stats import STATS
     from sglang_kda.patches import kda_backend
 
@@ -46,6 +49,7 @@ def apply(ctx) -> None:
         return
     orig = cls.process_batch_result_prefill
     debug = ctx.config.debug_integrity == "on"
+    alpha = parse_eviction(ctx.config.eviction)
 
     @functools.wraps(orig)
     def process_batch_result_prefill(self, batch, result):
@@ -56,7 +60,9 @@ def apply(ctx) -> None:
             checkpoints.insert_checkpoints(self.tree_cache, batch.reqs, cap, every)
             nbytes = checkpoint_nbytes(self.tree_cache)
             _log_pool_once(self.tree_cache, nbytes, ctx.config.checkpoint_pool_size)
-            held = checkpoints.enforce_pool_size(self.tree_cache, ctx.config.checkpoint_pool_size)
+            held = checkpoints.enforce_pool_size(
+                self.tree_cache, ctx.config.checkpoint_pool_size, alpha
+            )
             STATS.set_held(held, held * nbytes)
         if POISON_PREFIX and self.tree_cache.supports_mamba():
             poison_live_slots(self.tree_cache, batch.reqs, POISON_PREFIX)
@@ -94,11 +100,9 @@ def _log_pool_once(tree_cache, nbytes: int, cap: int) -> None:
 
 def checkpoint_nbytes(tree_cache) -> int:
     """Bytes of one KDA state slot (all layers: recurrent state + short-conv window)."""
-    cache = tree_cache.req_to_token_pool.mamba_pool.mamba_cache
-    slots = cache.temporal.shape[1]
-    per = cache.temporal[:, 0].numel() * cache.temporal.element_size()
-    per += sum(c[:, 0].numel() * c.element_size() for c in cache.conv)
-    return per if slots else 0
+    from sglang_kda.cache.checkpoints import state_nbytes
+
+    return state_nbytes(tree_cache)
 
 
 def poison_live_slots(tree_cache, reqs, prefix: str) -> None:

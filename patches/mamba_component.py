@@ -2,16 +2,24 @@
 
 Upstream: ``MambaComponent.prepare_for_caching_req`` (the KDA/mamba state a tree insert stores
     on its node: for an unfinished request, a fresh slot holding a copy of the request's live
-    state; for a finished one, the live slot itself, handed over).
+    state; for a finished one, the live slot itself, handed over);
+    ``MambaComponent.cleanup_after_caching_req`` (runs after every insert that carried a state)
+    and ``MambaComponent.finalize_match_result_in_cache`` (an admission match copying a tree
+    state into the request's slot).
 Why: the checkpoint cache inserts states at grid positions *inside* a prefill slice, which the
     live slot (already at the slice end) no longer holds; the kernel captured them during the
-    forward (:mod:`sglang_kda.cache.capture`).
+    forward (:mod:`sglang_kda.cache.capture`). Eviction by recency and serial work saved
+    (``--kda-eviction``) needs to know which nodes hold states and when each was last used,
+    which the Rust tree core does not expose.
 How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a captured checkpoint
     it marks the request (``req._kda_checkpoint``); for such an insert the wrapper stores a
     fresh slot filled with that checkpoint (:func:`~sglang_kda.cache.checkpoints.
-    write_checkpoint_slot`), or caches nothing (returns 0) when no slot can be had. Every other
-    insert is upstream's. Only with ``--kda-policy kda``.
-Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends).
+    write_checkpoint_slot`, which may evict a tree state by the ``--kda-eviction`` rule), or
+    caches nothing (returns 0) when no slot can be had. Every other insert is upstream's. After
+    each insert and each admission match, the node holding the state is noted in the state book
+    (:func:`~sglang_kda.cache.checkpoints.note_state`). Only with ``--kda-policy kda``.
+Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends) and
+    offers per-node state eviction with a cost-aware policy.
 """
 
 from __future__ import annotations
@@ -28,23 +36,56 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cache.checkpoints import write_checkpoint_slot
+    from sglang_kda.cache.checkpoints import note_state, write_checkpoint_slot
+    from sglang_kda.cache.eviction import parse_eviction
 
     cls = importlib.import_module(UPSTREAM).MambaComponent
     if getattr(cls, "_sglang_kda_patched", False):
         return
     orig = cls.prepare_for_caching_req
+    orig_cleanup = cls.cleanup_after_caching_req
+    orig_finalize = cls.finalize_match_result_in_cache
+    alpha = parse_eviction(ctx.config.eviction)
 
     @functools.wraps(orig)
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
         if is_finished or getattr(req, "_kda_checkpoint", None) is None:
             return orig(self, req, insert_params, token_ids_len, is_finished)
-        slot = write_checkpoint_slot(self.cache, req)
+        slot = write_checkpoint_slot(self.cache, req, alpha)
         if slot is None:
             return 0
         insert_params.mamba_value = slot
         return token_ids_len
 
+    @functools.wraps(orig_cleanup)
+    def cleanup_after_caching_req(self, req, is_finished, *args, **kwargs):
+        out = orig_cleanup(self, req, is_finished, *args, **kwargs)
+        result = kwargs.get("insert_result", args[0] if args else None)
+        node = getattr(result, "last_device_node", None)
+        if node is not None and _holds_state(self, node):
+            note_state(self.cache, node)
+        return out
+
+    @functools.wraps(orig_finalize)
+    def finalize_match_result_in_cache(self, params, result):
+        result = orig_finalize(self, params, result)
+        node = getattr(result, "best_match_node", None)
+        if params.cow_mamba and node is not None and _holds_state(self, node):
+            note_state(self.cache, node)
+        return result
+
     cls._orig_prepare_for_caching_req = orig
+    cls._orig_cleanup_after_caching_req = orig_cleanup
+    cls._orig_finalize_match_result_in_cache = orig_finalize
     cls.prepare_for_caching_req = prepare_for_caching_req
+    cls.cleanup_after_caching_req = cleanup_after_caching_req
+    cls.finalize_match_result_in_cache = finalize_match_result_in_cache
     cls._sglang_kda_patched = True
+
+
+def _holds_state(component, node) -> bool:
+    try:
+        value = component.tree_core.get_component_device_value(node, component.component_type)
+    except Exception:  # noqa: BLE001 - a root or vanished node holds nothing
+        return False
+    return value is not None

@@ -21,9 +21,11 @@ How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_gri
     ``add_chunked_req`` cuts the next chunk, the request jumps to the deepest checkpoint cached
     meanwhile (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``add_one_req`` makes a
     candidate that shares an uncached prefix with a request admitted in the same round wait for
-    its checkpoints (:func:`sglang_kda.policy.admission.twin_gain`, ``--kda-twins``; it returns
-    ``AddReqResult.OTHER``, which ends the round's admissions as upstream's budget checks do).
-    Only with ``--kda-policy kda``.
+    its checkpoints (:func:`sglang_kda.policy.admission.twin_gain`, ``--kda-twins``): the
+    follower skips this round and the round goes on (it returns ``AddReqResult.CONTINUE``
+    without admitting it, after releasing the state slot its match staged, as upstream's loop
+    does for a request it does not admit; the request stays in the waiting queue), so later
+    unrelated requests are still admitted. Only with ``--kda-policy kda``.
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
 
@@ -49,6 +51,17 @@ def _hybrid_grid(adder) -> int:
     from sglang_kda.policy.grid import checkpoint_grid
 
     return checkpoint_grid(adder.page_size) if getattr(adder, "is_hybrid_ssm_cache", False) else 1
+
+
+def release_staged_state(tree_cache, req) -> None:
+    """Undo what the request's match staged for this round (upstream's scheduler loop does the
+    same for a request ``add_one_req`` turns down): the deferred copy-on-write of the matched
+    state and the fresh state slot it was to go into (not a session's slot)."""
+    req.kv.mamba_cow_src_index = None
+    req.kv.mamba_needs_clear = False
+    if req.kv.holds_mamba and not getattr(req, "session", None):
+        tree_cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+        req.kv.mamba_pool_idx = None
 
 
 def apply(ctx) -> None:
@@ -115,8 +128,14 @@ def apply(ctx) -> None:
             limit = req._compute_max_prefix_len(len(ids))
             if twin_gain(ids, req.prefix_len, limit, leaders, self._kda_grid):
                 STATS.add("twin_waits")
-                return mod.AddReqResult.OTHER
-        return orig_add_one(self, req, has_chunked_req, truncation_align_size)
+                self._kda_twin_waiting = True
+                release_staged_state(self.tree_cache, req)
+                return mod.AddReqResult.CONTINUE
+        n_before = len(self.can_run_list)
+        res = orig_add_one(self, req, has_chunked_req, truncation_align_size)
+        if getattr(self, "_kda_twin_waiting", False) and len(self.can_run_list) > n_before:
+            STATS.add("admitted_past_waiting_twin")
+        return res
 
     @functools.wraps(orig_add_chunked)
     def add_chunked_req(self, req):

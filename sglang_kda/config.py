@@ -62,6 +62,9 @@ class KDAConfig:
         (0: the grid ``max(64, page_size)``).
     checkpoint_pool_size: the most KDA states the radix tree may hold (0: bounded only by
         SGLang's state pool, ``--max-mamba-cache-size``, which live requests share).
+    eviction: which tree-held KDA states go first when the tree sheds states: ``lru``
+        (SGLang's least recently used), ``marconi`` (recency + serial KDA work saved per byte,
+        sglang_kda/cache/eviction.py, alpha 1) or a number: that rule with this alpha (>= 0).
     twins: ``on``: twins (requests sharing an uncached prefix, admitted together) compute it once.
     debug_integrity: ``on``: check tree, state pool and requests after every prefill step.
     budget: ``serial``: the serial-aware prefill budget (sglang_kda/policy/budget.py) plans every
@@ -79,6 +82,7 @@ class KDAConfig:
     max_n: int = DEFAULT_MAX_N
     checkpoint_every: int = 0
     checkpoint_pool_size: int = 0
+    eviction: str = "marconi"
     twins: str = "on"
     debug_integrity: str = "off"
     budget: str = "off"
@@ -119,6 +123,13 @@ class KDAConfig:
                 f"only by the state pool); got {self.checkpoint_pool_size!r}"
             )
         object.__setattr__(self, "checkpoint_pool_size", pool)
+        from sglang_kda.cache.eviction import parse_eviction
+
+        try:
+            parse_eviction(self.eviction)
+        except ValueError as e:
+            raise ConfigError(f"--kda-eviction must be {e}") from None
+        object.__setattr__(self, "eviction", str(self.eviction).strip().lower())
         if self.budget not in BUDGETS:
             raise ConfigError(
                 f"--kda-budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}"

@@ -86,6 +86,16 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     group.add_argument(
+        "--kda-eviction",
+        default="marconi",
+        help=(
+            "Which KDA states the radix tree sheds first: 'lru' (SGLang's least recently "
+            "used), 'marconi' (recency plus serial KDA work saved per byte: a checkpoint far "
+            "from its nearest cached ancestor is kept longer) or a number alpha >= 0 (the "
+            "marconi rule with that weight on the saved work; marconi = 1). Default: marconi."
+        ),
+    )
+    group.add_argument(
         "--kda-twins",
         default="on",
         help=(
@@ -174,7 +184,7 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
             name = a.split("=", 1)[0]
             raise ConfigError(
                 f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
-                "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-twins, "
+                "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-eviction, --kda-twins, "
                 "--kda-debug-integrity, --kda-budget, --kda-itl-target-ms, "
                 "--kda-ttft-deadline-ms, --kda-deadline-ms-per-1k-tokens, --kda-cost-model, "
                 "--kda-reject-infeasible)"
@@ -185,6 +195,7 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
         max_n=known.kda_max_n,
         checkpoint_every=known.kda_checkpoint_every,
         checkpoint_pool_size=known.kda_checkpoint_pool_size,
+        eviction=known.kda_eviction,
         twins=known.kda_twins,
         debug_integrity=known.kda_debug_integrity,
         budget=known.kda_budget,

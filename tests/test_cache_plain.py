@@ -82,3 +82,14 @@ def test_checkpoint_flags_are_validated():
         KDAConfig(twins="maybe")
     with pytest.raises(ConfigError, match="--kda-debug-integrity"):
         KDAConfig(debug_integrity="1")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(1, 400)), min_size=1, max_size=8))
+def test_forward_capture_lookups_match_a_scan_of_the_rows(layout):
+    cap = ForwardCapture.open([p for p, _ in layout], [n for _, n in layout], 64)
+    for i in range(len(layout) + 1):
+        assert cap.positions_of(i) == [pos for j, pos in cap.rows if j == i]
+        for pos in range(0, 1000, 32):
+            want = cap.rows.index((i, pos)) if (i, pos) in cap.rows else None
+            assert cap.row_index(i, pos) == want

@@ -75,6 +75,10 @@ class ForwardCapture:
     extend_lens: list[int]
     rows: list[tuple[int, int]] = field(default_factory=list)
     layers: dict[int, LayerCheckpoints] = field(default_factory=dict)
+    # ``rows`` indexed (built on first lookup, rebuilt if rows grew): row -> its index, and
+    # batch index -> its positions; a lookup is O(1) instead of a scan of ``rows``.
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _by_req: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(
@@ -85,8 +89,17 @@ class ForwardCapture:
             cap.rows.extend((i, pos) for pos in grid_positions(p, n, every))
         return cap
 
+    def _indexed(self) -> dict:
+        if len(self._index) != len(self.rows):
+            self._index = {row: k for k, row in enumerate(self.rows)}
+            self._by_req = {}
+            for j, pos in self.rows:
+                self._by_req.setdefault(j, []).append(pos)
+        return self._index
+
     def positions_of(self, i: int) -> list[int]:
-        return [pos for j, pos in self.rows if j == i]
+        self._indexed()
+        return list(self._by_req.get(i, ()))
 
     def add_layer(self, layer_id: int, states: torch.Tensor, conv: torch.Tensor) -> None:
         if states.shape[0] != len(self.rows) or conv.shape[0] != len(self.rows):
@@ -97,10 +110,7 @@ class ForwardCapture:
         self.layers[layer_id] = LayerCheckpoints(states, conv)
 
     def row_index(self, i: int, pos: int) -> Optional[int]:
-        try:
-            return self.rows.index((i, pos))
-        except ValueError:
-            return None
+        return self._indexed().get((i, pos))
 
     def nbytes_per_checkpoint(self) -> int:
         return sum(

@@ -16,6 +16,18 @@ evicts states first). This module adds what SGLang lacks, without monkey-patchin
   jumps to the deepest cached checkpoint past its progress (its KV row takes the cached pages,
   its live slot receives a *copy* of the checkpoint).
 * :func:`integrity_report`: walks tree, pool and requests; see its docstring.
+* :func:`enforce_pool_size` / :func:`evict_states`: shed tree states past
+  ``--kda-checkpoint-pool-size`` by ``--kda-eviction`` (:mod:`sglang_kda.cache.eviction`).
+
+Per-node eviction. Neither tree core offers "evict this node's state" outside its own LRU walk
+(the Rust core exposes no node handle, lock count or access time, and its
+``finish_mamba_state_eviction`` only resumes an eviction its walk paused for a host backup). So
+the rule's victims are evicted through the walk itself: every other tree-held state is locked
+for the call (``tree_cache.lock``: the walk skips locked states), SGLang's
+``evict(mamba_num=len(victims))`` then finds exactly the victims, and the locks are released.
+Which nodes hold states, and when each was last inserted or hit, comes from a
+:class:`~sglang_kda.cache.eviction.StateBook` kept by the ``mamba_component`` patch; when it does
+not account for every state the tree holds, the call falls back to SGLang's LRU.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from typing import Iterable, Optional
 import torch
 
 from sglang_kda.cache.capture import ForwardCapture
+from sglang_kda.cache.eviction import GRID, Candidate, StateBook, pick_victims
 from sglang_kda.cache.stats import STATS
 
 logger = logging.getLogger(__name__)
@@ -79,11 +92,12 @@ def insert_checkpoints(tree_cache, reqs: list, cap: ForwardCapture, every: int) 
     return inserted
 
 
-def write_checkpoint_slot(cache, req) -> Optional[torch.Tensor]:
+def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional[torch.Tensor]:
     """A fresh state slot holding ``req._kda_checkpoint``; None when no slot can be had.
 
     Called from the MAMBA component's ``prepare_for_caching_req`` while the tree inserts a
-    captured checkpoint. May evict other tree states (LRU) to make room, never a live one.
+    captured checkpoint. May evict another tree state to make room (by ``alpha``'s rule, see
+    :func:`evict_states`; SGLang's LRU when None or when that frees nothing), never a live one.
     """
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -94,6 +108,8 @@ def write_checkpoint_slot(cache, req) -> Optional[torch.Tensor]:
     if row is None or sorted(cap.layers) != sorted(layer_ids):
         return None
     slot = pool.mamba_allocator.alloc(1)
+    if slot is None and alpha is not None and evict_states(cache, 1, alpha) > 0:
+        slot = pool.mamba_allocator.alloc(1)
     if slot is None:
         cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
         slot = pool.mamba_allocator.alloc(1)
@@ -149,6 +165,7 @@ def resume_in_flight(tree_cache, req) -> int:
         pool.translate_mamba_indices(src.view(-1)),
         pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)),
     )
+    note_state(tree_cache, node)
     new_lock = tree_cache.lock(node)
     tree_cache.unlock(req.lock)
     req.lock = new_lock
@@ -176,7 +193,10 @@ def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) ->
     - **no live request's slot is referenced by the tree** (live states are never shared);
     - every allocated state slot is owned: tree states + live slots == slots in use (no orphan),
       when ``strict`` (at a quiescent point, e.g. between scheduler steps);
-    - SGLang's own tree ``sanity_check`` (reference and lock counts, sizes) where it has one.
+    - the tree core's state counters (evictable + protected, what :func:`held_states` reads)
+      equal the states the walk finds;
+    - SGLang's own tree ``sanity_check`` (reference and lock counts, sizes, LRU lists), when
+      ``strict`` and no live request holds a lock (it asserts an idle tree).
 
     Raises :class:`IntegrityError` on the first violation; returns the counts it checked.
     """
@@ -198,17 +218,32 @@ def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) ->
         raise IntegrityError(
             f"state slots in use {used} != tree {len(tree_vals)} + live {len(live)} (orphans)"
         )
-    return {"tree_states": len(tree_vals), "live_states": len(live), "slots_in_use": used}
+    counted = held_states(tree_cache)
+    if counted != len(tree_vals):
+        raise IntegrityError(
+            f"tree state counters say {counted} states, the walk finds {len(tree_vals)}"
+        )
+    sanity = getattr(tree_cache, "sanity_check", None)
+    if strict and not live and callable(sanity):  # it asserts that no node is locked
+        try:
+            sanity()
+        except Exception as e:  # noqa: BLE001 - reported as an integrity failure
+            raise IntegrityError(f"SGLang's tree sanity check: {e}") from None
+    return {
+        "tree_states": len(tree_vals),
+        "counted_states": counted,
+        "live_states": len(live),
+        "slots_in_use": used,
+        "eviction_book": len(state_book(tree_cache)),
+    }
 
 
-def enforce_pool_size(tree_cache, cap: int) -> int:
-    """Evict tree states (least recently used first) down to ``cap`` (0: no own cap); returns
-    how many the tree holds afterwards."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
+def enforce_pool_size(tree_cache, cap: int, alpha: Optional[float] = None) -> int:
+    """Evict tree states down to ``cap`` (0: no own cap) by ``alpha``'s rule (None: SGLang's
+    LRU; see :func:`evict_states`); returns how many the tree holds afterwards."""
     held = held_states(tree_cache)
     if cap and held > cap:
-        tree_cache.evict(EvictParams(num_tokens=0, mamba_num=held - cap))
+        evict_states(tree_cache, held - cap, alpha)
         after = held_states(tree_cache)
         STATS.add("checkpoints_evicted", held - after)
         held = after
@@ -216,7 +251,126 @@ def enforce_pool_size(tree_cache, cap: int) -> int:
 
 
 def held_states(tree_cache) -> int:
+    """States the tree holds, from the tree core's counters (no walk): each tree-held state
+    counts one in either the evictable or the protected (locked) ledger of the MAMBA component.
+    :func:`integrity_report` checks this against a walk."""
     try:
-        return int(tree_cache.all_mamba_values_flatten().numel())
+        return int(tree_cache.mamba_evictable_size()) + int(tree_cache.mamba_protected_size())
     except Exception:
         return 0
+
+
+# --- Eviction by recency and serial work saved per byte ---------------------------------------
+
+
+def state_book(tree_cache) -> StateBook:
+    """The record of tree nodes holding a state (and their last use) kept for ``tree_cache``."""
+    book = getattr(tree_cache, "_kda_state_book", None)
+    if book is None:
+        book = StateBook()
+        tree_cache._kda_state_book = book
+    return book
+
+
+def note_state(tree_cache, node_id) -> None:
+    """``node_id`` holds a state that was just inserted or hit."""
+    if node_id is not None:
+        state_book(tree_cache).touch(int(node_id))
+
+
+def _has_state(tree_cache, node_id: int) -> bool:
+    try:
+        value = tree_cache.tree_core.get_component_device_value(node_id, _mamba_type())
+    except Exception:  # the node is gone (evicted or flushed)
+        return False
+    return value is not None
+
+
+def state_nbytes(tree_cache) -> int:
+    """Bytes of one KDA state slot (all layers: recurrent state + short-conv window)."""
+    cache = tree_cache.req_to_token_pool.mamba_pool.mamba_cache
+    if not cache.temporal.shape[1]:
+        return 0
+    per = cache.temporal[:, 0].numel() * cache.temporal.element_size()
+    return per + sum(c[:, 0].numel() * c.element_size() for c in cache.conv)
+
+
+def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
+    """Every state the book knows and the tree still holds, with its depth, its nearest
+    state-holding ancestor and its last use (stale book entries are dropped)."""
+    book = state_book(tree_cache)
+    alive = []
+    for nid in book.node_ids():
+        if _has_state(tree_cache, nid):
+            alive.append(nid)
+        else:
+            book.forget(nid)
+    if not alive:
+        return []
+    paths = tree_cache.tree_core.collect_path_info(alive)
+    holders = set(alive)
+    nbytes = state_nbytes(tree_cache)
+    layers = len(tree_cache.req_to_token_pool.mamba_pool.mamba_layer_ids)
+    out = []
+    for nid, path in zip(alive, paths, strict=True):
+        if not path or path[-1].node_id != nid:
+            continue
+        anc_id, anc_depth = None, 0
+        for info in reversed(path[:-1]):
+            if info.node_id in holders:
+                anc_id, anc_depth = info.node_id, info.path_end
+                break
+        out.append(
+            Candidate(
+                node_id=nid,
+                depth=path[-1].path_end,
+                ancestor_depth=anc_depth,
+                last_access=book.last_access(nid) or 0,
+                nbytes=nbytes,
+                kda_layers=layers,
+                ancestor_id=anc_id,
+            )
+        )
+    return out
+
+
+def evict_states(tree_cache, n: int, alpha: Optional[float], grid: int = GRID) -> int:
+    """Evict ``n`` tree-held states: the lowest scores of :func:`~sglang_kda.cache.eviction.
+    pick_victims` (alpha = the weight of serial work saved per byte), or SGLang's LRU walk
+    when ``alpha`` is None or the book does not account for every state the tree holds.
+    Locked states (a live request's) stay; returns how many went."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if n <= 0:
+        return 0
+    if alpha is None:
+        return int(tree_cache.evict(EvictParams(num_tokens=0, mamba_num=n)).mamba_num_evicted)
+    book = state_book(tree_cache)
+    evicted = 0
+    stuck: set[int] = set()
+    for _ in range(4):  # a victim a live request holds stays; pick again without it
+        need = n - evicted
+        if need <= 0:
+            break
+        cands = eviction_candidates(tree_cache, grid)
+        if len(cands) != held_states(tree_cache):
+            STATS.add("eviction_lru_fallbacks")
+            res = tree_cache.evict(EvictParams(num_tokens=0, mamba_num=need))
+            return evicted + int(res.mamba_num_evicted)
+        victims = pick_victims([c for c in cands if c.node_id not in stuck], need, alpha, grid)
+        if not victims:
+            break
+        chosen = set(victims)
+        shields = [tree_cache.lock(c.node_id) for c in cands if c.node_id not in chosen]
+        try:
+            res = tree_cache.evict(EvictParams(num_tokens=0, mamba_num=len(victims)))
+        finally:
+            for lock in shields:
+                tree_cache.unlock(lock)
+        evicted += int(res.mamba_num_evicted)
+        for v in victims:
+            if _has_state(tree_cache, v):
+                stuck.add(v)
+            else:
+                book.forget(v)
+    return evicted

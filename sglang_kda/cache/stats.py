@@ -26,6 +26,13 @@ _HELP = {
     "checkpoints_skipped_no_slot": "Grid checkpoints dropped because no state slot could be had",
     "checkpoints_evicted": "Checkpoints (KDA states) evicted from the radix tree",
     "twin_waits": "Rounds a request waited for a twin computing its shared prefix",
+    "admitted_past_waiting_twin": (
+        "Requests admitted in a round after a twin waiting in that round (a waiting twin does "
+        "not end the round's admissions)"
+    ),
+    "eviction_lru_fallbacks": (
+        "State evictions that fell back to SGLang's LRU (the state book missed a tree state)"
+    ),
 }
 _GAUGES = {
     "checkpoints_held": "KDA states held by the radix tree (checkpoints)",
@@ -43,6 +50,8 @@ class CacheStats:
     checkpoints_skipped_no_slot: int = 0
     checkpoints_evicted: int = 0
     twin_waits: int = 0
+    admitted_past_waiting_twin: int = 0
+    eviction_lru_fallbacks: int = 0
     checkpoints_held: int = 0
     checkpoint_bytes: int = 0
 

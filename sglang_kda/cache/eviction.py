@@ -1,0 +1,151 @@
+"""Which tree-held KDA states to evict: recency and serial work saved per byte (Marconi's idea).
+
+A checkpoint at depth ``d`` (tokens from the root) whose nearest ancestor holding a state is at
+depth ``a`` saves a request that resumes from it ``(d - a) / 64`` serial 64-token KDA steps in
+every KDA layer: evicted, such a request resumes from the ancestor instead and recomputes that
+segment, one chunk after another (the recurrence is serial across chunks). That work, per byte of
+state, is the checkpoint's value; recency (last insert or hit) is the other half of the score:
+
+    score = recency / max recency + alpha * value_per_byte / max value_per_byte
+
+both normalized over the candidates (recency as ``(t - t_min) / (t_max - t_min)``). The lowest
+score goes first. Evicting a checkpoint raises the value of its descendants that used it as their
+nearest ancestor, so victims are picked one at a time, rescoring after each
+(:func:`pick_victims`); a chain of checkpoints thins out evenly instead of losing a whole region.
+
+``--kda-eviction``: ``lru`` (SGLang's own least-recently-used walk), ``marconi`` (this rule with
+``alpha = 1``) or a number ``alpha >= 0``.
+
+:class:`StateBook` is the record of which tree nodes hold a state and when each was last used
+(the Rust tree core exposes neither); the wiring lives in :mod:`sglang_kda.cache.checkpoints`.
+Plain Python; no SGLang import.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+from typing import Iterable, Optional, Sequence
+
+GRID = 64  # KDA chunk: one serial step of the recurrence
+DEFAULT_ALPHA = 1.0
+CHOICES = ("lru", "marconi")
+
+
+def parse_eviction(value: object) -> Optional[float]:
+    """``--kda-eviction``: None for ``lru``, else the weight ``alpha`` of the saved work.
+
+    Raises ValueError (its message names the accepted values) on anything else.
+    """
+    text = str(value).strip().lower()
+    if text == "lru":
+        return None
+    if text == "marconi":
+        return DEFAULT_ALPHA
+    try:
+        alpha = float(text)
+    except ValueError:
+        alpha = float("nan")
+    if not math.isfinite(alpha) or alpha < 0:
+        raise ValueError(f"one of {', '.join(CHOICES)} or a number alpha >= 0; got {value!r}")
+    return alpha
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An evictable tree-held state.
+
+    node_id: the tree node holding it; depth: its position in tokens; ancestor_id /
+    ancestor_depth: the nearest ancestor holding a state (None / 0: the root, i.e. a request
+    would recompute from token 0); last_access: insert or hit time (any increasing clock);
+    nbytes: bytes of one state (all layers); kda_layers: KDA layers in the model.
+    """
+
+    node_id: int
+    depth: int
+    ancestor_depth: int
+    last_access: float
+    nbytes: int
+    kda_layers: int
+    ancestor_id: Optional[int] = None
+
+
+def steps_saved(c: Candidate, grid: int = GRID) -> float:
+    """Serial KDA steps (64-token chunks x KDA layers) lost if ``c`` goes."""
+    return max(c.depth - c.ancestor_depth, 0) / grid * c.kda_layers
+
+
+def value_per_byte(c: Candidate, grid: int = GRID) -> float:
+    return steps_saved(c, grid) / max(c.nbytes, 1)
+
+
+def scores(cands: Sequence[Candidate], alpha: float, grid: int = GRID) -> list[float]:
+    """Normalized recency + ``alpha`` x normalized serial steps saved per byte, per candidate."""
+    if not cands:
+        return []
+    times = [c.last_access for c in cands]
+    lo, hi = min(times), max(times)
+    span = hi - lo
+    values = [value_per_byte(c, grid) for c in cands]
+    vmax = max(values)
+    out = []
+    for t, v in zip(times, values, strict=True):
+        rec = (t - lo) / span if span > 0 else 1.0
+        val = v / vmax if vmax > 0 else 0.0
+        out.append(rec + alpha * val)
+    return out
+
+
+def pick_victims(cands: Iterable[Candidate], n: int, alpha: float, grid: int = GRID) -> list[int]:
+    """Up to ``n`` node ids to evict, lowest score first, rescoring after each pick.
+
+    Ties go to the older, then the shallower candidate. A victim's descendants that had it as
+    their nearest state ancestor inherit its ancestor (their saved work grows).
+    """
+    pool = {c.node_id: c for c in cands}
+    out: list[int] = []
+    while pool and len(out) < n:
+        cs = list(pool.values())
+        sc = scores(cs, alpha, grid)
+        k = min(range(len(cs)), key=lambda i: (sc[i], cs[i].last_access, cs[i].depth))
+        v = cs[k]
+        out.append(v.node_id)
+        del pool[v.node_id]
+        for nid, c in pool.items():
+            if c.ancestor_id == v.node_id:
+                pool[nid] = replace(c, ancestor_id=v.ancestor_id, ancestor_depth=v.ancestor_depth)
+    return out
+
+
+class StateBook:
+    """Tree nodes known to hold a KDA state, with the tick of their last insert or hit.
+
+    Entries may go stale (SGLang evicts states itself under allocation pressure); the wiring
+    checks each against the tree before use and :meth:`forget`\\ s the dead ones.
+    """
+
+    def __init__(self) -> None:
+        self._clock = itertools.count(1)
+        self._last: dict[int, int] = {}
+
+    def touch(self, node_id: int) -> None:
+        self._last[int(node_id)] = next(self._clock)
+
+    def forget(self, node_id: int) -> None:
+        self._last.pop(int(node_id), None)
+
+    def last_access(self, node_id: int) -> Optional[int]:
+        return self._last.get(int(node_id))
+
+    def node_ids(self) -> list[int]:
+        return list(self._last)
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._last

@@ -1,0 +1,306 @@
+"""Eviction of tree-held KDA states by recency and serial work saved per byte (no server).
+
+The scoring rule (sglang_kda/cache/eviction.py), the flag, and the wiring
+(sglang_kda/cache/checkpoints.py::evict_states) against a fake tree whose eviction walk is
+SGLang's: least recently inserted first, locked states skipped.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_kda.cache.eviction import (
+    Candidate,
+    StateBook,
+    parse_eviction,
+    pick_victims,
+    scores,
+    steps_saved,
+)
+from sglang_kda.config import ConfigError, KDAConfig
+from sglang_kda.launch_server import split_kda_args
+
+LAYERS = 3
+NBYTES = 1000
+
+
+def cand(nid, depth, anc=0, t=0, anc_id=None, nbytes=NBYTES, layers=LAYERS):
+    return Candidate(nid, depth, anc, t, nbytes, layers, anc_id)
+
+
+def chain(depths, grid=64):
+    """Checkpoints on one path, inserted shallow first (older), each the previous one's child."""
+    out, prev, prev_id = [], 0, None
+    for k, d in enumerate(depths):
+        out.append(cand(k, d, prev, t=k, anc_id=prev_id))
+        prev, prev_id = d, k
+    return out
+
+
+# --- the flag ---
+
+
+def test_flag_values():
+    assert parse_eviction("lru") is None
+    assert parse_eviction("marconi") == 1.0
+    assert parse_eviction(" Marconi ") == 1.0
+    assert parse_eviction("0") == 0.0 and parse_eviction("2.5") == 2.5
+    for bad in ("", "lfu", "-1", "nan", "inf"):
+        with pytest.raises(ValueError):
+            parse_eviction(bad)
+    assert KDAConfig().eviction == "marconi"
+    assert KDAConfig(eviction="LRU").eviction == "lru"
+    with pytest.raises(ConfigError, match="--kda-eviction"):
+        KDAConfig(eviction="sometimes")
+    cfg, rest = split_kda_args(["--kda-eviction", "0.5", "--port", "1"])
+    assert cfg.eviction == "0.5" and rest == ["--port", "1"]
+    with pytest.raises(ConfigError, match="--kda-eviction"):
+        split_kda_args(["--kda-eviction", "-2"])
+    assert KDAConfig.from_env(KDAConfig(eviction="lru").to_env()).eviction == "lru"
+
+
+# --- the rule ---
+
+
+def test_steps_saved_counts_64_token_steps_times_kda_layers():
+    assert steps_saved(cand(1, 256, 64)) == 3 * LAYERS
+    assert steps_saved(cand(1, 100, 0)) == pytest.approx(100 / 64 * LAYERS)
+    assert steps_saved(cand(1, 64, 64)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 4096), st.integers(0, 4096), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.floats(0, 10),
+)
+def test_scores_are_normalized(rows, alpha):
+    cs = [cand(k, max(d, a + 1), min(a, d), t) for k, (d, a, t) in enumerate(rows)]
+    sc = scores(cs, alpha)
+    assert all(-1e-9 <= s <= 1 + alpha + 1e-9 for s in sc)
+    # The most valuable candidate gets the full alpha; the most recent the full 1.
+    best_v = max(range(len(cs)), key=lambda i: steps_saved(cs[i]))
+    newest = max(range(len(cs)), key=lambda i: cs[i].last_access)
+    assert sc[best_v] >= alpha - 1e-9
+    assert sc[newest] >= 1 - 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 2000), st.integers(0, 10**6)), min_size=0, max_size=25),
+    st.integers(0, 30),
+    st.floats(0, 5),
+)
+def test_pick_victims_picks_distinct_candidates(rows, n, alpha):
+    cs = [cand(k, d, 0, t) for k, (d, t) in enumerate(rows)]
+    got = pick_victims(cs, n, alpha)
+    assert len(got) == min(n, len(cs)) and len(set(got)) == len(got)
+    assert set(got) <= {c.node_id for c in cs}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=25, unique=True), st.integers(1, 25))
+def test_alpha_zero_is_least_recently_used(times, n):
+    cs = [cand(k, 64 * (k + 1), 0, t) for k, t in enumerate(times)]
+    got = pick_victims(cs, n, 0.0)
+    want = [c.node_id for c in sorted(cs, key=lambda c: c.last_access)][:n]
+    assert got == want
+
+
+def test_equal_recency_evicts_the_least_work_first():
+    cs = [cand(0, 640, 576, t=5), cand(1, 1024, 0, t=5), cand(2, 300, 256, t=5)]
+    assert pick_victims(cs, 2, 1.0) == [2, 0]
+
+
+def test_a_deep_lone_checkpoint_outlives_newer_cheap_ones():
+    """A checkpoint 1024 tokens past its nearest cached ancestor saves 16 serial steps per layer;
+    four newer ones one grid step past theirs save 1 each: with alpha 1 the old one survives
+    where LRU (alpha 0) drops it first."""
+    cs = [cand(0, 1024, 0, t=0)] + [
+        cand(k, 2048 + 64 * k, 2048 + 64 * (k - 1), t=k) for k in (1, 2, 3, 4)
+    ]
+    assert pick_victims(cs, 1, 0.0) == [0]
+    assert 0 not in pick_victims(cs, 3, 1.0)
+
+
+def test_a_chain_thins_out_evenly_instead_of_losing_its_shallow_half():
+    """16 checkpoints at 64..1024 on one path, inserted shallow first; shed 8. LRU drops
+    64..512: a request diverging at 500 recomputes from 0. The rule thins the chain: with
+    alpha 1 no request recomputes more than four grid steps, with alpha 2 it keeps exactly every
+    other checkpoint."""
+    depths = [64 * k for k in range(1, 17)]
+    cs = chain(depths)
+
+    def worst_gap(victims):
+        kept = [0] + [c.depth for c in cs if c.node_id not in victims]
+        return max(b - a for a, b in zip(kept, kept[1:], strict=False))
+
+    lru = set(pick_victims(cs, 8, 0.0))
+    assert lru == set(range(8)) and worst_gap(lru) == 9 * 64
+    marconi = set(pick_victims(cs, 8, 1.0))
+    assert worst_gap(marconi) <= 4 * 64, sorted(marconi)
+    assert set(pick_victims(cs, 8, 2.0)) == set(range(0, 16, 2))
+
+
+def test_victims_pass_their_ancestor_to_descendants():
+    cs = chain([64, 128, 192])
+    # After 0 goes, 1 saves two steps; 2 still one; alpha large: value decides.
+    assert pick_victims(cs, 2, 100.0) == [0, 2]
+
+
+def test_state_book():
+    book = StateBook()
+    book.touch(5)
+    book.touch(7)
+    book.touch(5)
+    assert book.last_access(5) > book.last_access(7) and len(book) == 2 and 7 in book
+    book.forget(7)
+    assert book.node_ids() == [5] and book.last_access(7) is None
+    book.clear()
+    assert len(book) == 0
+
+
+# --- the wiring, against a fake tree with SGLang's walk ---
+
+
+class FakeTree:
+    """Nodes with a parent, a depth, maybe a state; ``evict(mamba_num=k)`` evicts the k least
+    recently used unlocked states, as SGLang's MAMBA eviction walk does."""
+
+    def __init__(self):
+        self.nodes: dict[int, dict] = {}
+        self.tick = 0
+        mamba_cache = SimpleNamespace(
+            temporal=torch.zeros(LAYERS, 8, 2, 2), conv=[torch.zeros(LAYERS, 8, 3)]
+        )
+        pool = SimpleNamespace(mamba_cache=mamba_cache, mamba_layer_ids=list(range(LAYERS)))
+        self.req_to_token_pool = SimpleNamespace(mamba_pool=pool)
+        self.tree_core = SimpleNamespace(
+            get_component_device_value=self._value, collect_path_info=self._paths
+        )
+
+    def add(self, nid, parent, depth, state=True):
+        from sglang_kda.cache.checkpoints import note_state
+
+        self.tick += 1
+        self.nodes[nid] = {
+            "parent": parent,
+            "depth": depth,
+            "state": state,
+            "lock": 0,
+            "lru": self.tick,
+        }
+        if state:
+            note_state(self, nid)
+
+    def _value(self, nid, _ct):
+        node = self.nodes[nid]  # KeyError for a vanished node, as the cores raise
+        return torch.tensor([nid]) if node["state"] else None
+
+    def _paths(self, ids):
+        out = []
+        for nid in ids:
+            path, cur = [], nid
+            while cur is not None:
+                path.append(SimpleNamespace(node_id=cur, path_end=self.nodes[cur]["depth"]))
+                cur = self.nodes[cur]["parent"]
+            out.append(tuple(reversed(path)))
+        return tuple(out)
+
+    def held(self):
+        return [n for n, v in self.nodes.items() if v["state"]]
+
+    def mamba_evictable_size(self):
+        return sum(1 for v in self.nodes.values() if v["state"] and not v["lock"])
+
+    def mamba_protected_size(self):
+        return sum(1 for v in self.nodes.values() if v["state"] and v["lock"])
+
+    def lock(self, nid):
+        self.nodes[nid]["lock"] += 1
+        return nid
+
+    def unlock(self, nid):
+        assert self.nodes[nid]["lock"] > 0
+        self.nodes[nid]["lock"] -= 1
+
+    def evict(self, params):
+        order = sorted((v["lru"], n) for n, v in self.nodes.items() if v["state"] and not v["lock"])
+        gone = [n for _, n in order[: params.mamba_num]]
+        for n in gone:
+            self.nodes[n]["state"] = False
+        return SimpleNamespace(mamba_num_evicted=len(gone))
+
+
+def test_evict_states_evicts_exactly_the_rules_victims():
+    from sglang_kda.cache.checkpoints import (
+        enforce_pool_size,
+        evict_states,
+        eviction_candidates,
+        held_states,
+    )
+
+    tree = FakeTree()
+    for k in range(1, 17):  # a chain 64..1024, shallow first
+        tree.add(k, k - 1 if k > 1 else None, 64 * k)
+    tree.nodes[16]["lock"] = 1  # a live request holds the deepest
+    assert held_states(tree) == 16
+    free = [c for c in eviction_candidates(tree) if c.node_id != 16]
+    want = set(pick_victims(free, 8, 1.0))
+    held = enforce_pool_size(tree, 8, 1.0)
+    assert held == 8 and held_states(tree) == 8
+    assert set(tree.nodes) - set(tree.held()) == want  # exactly the rule's victims, not LRU's
+    kept = sorted(tree.nodes[n]["depth"] for n in tree.held())
+    gaps = [b - a for a, b in zip([0] + kept, kept, strict=False)]
+    assert max(gaps) <= 256, kept
+    assert 16 in tree.held()  # locked: never a victim
+    assert all(v["lock"] == (1 if n == 16 else 0) for n, v in tree.nodes.items())  # shields gone
+    # LRU through the same entry point: the oldest unlocked go.
+    assert evict_states(tree, 2, None) == 2
+
+
+def test_evict_states_skips_a_victim_a_live_request_holds():
+    from sglang_kda.cache.checkpoints import evict_states
+
+    tree = FakeTree()
+    tree.add(1, None, 64)
+    tree.add(2, 1, 128)
+    tree.add(3, 2, 4096)
+    tree.nodes[1]["lock"] = 1  # the rule's first choice (oldest, cheapest) is held
+    assert evict_states(tree, 1, 1.0) == 1
+    assert tree.nodes[1]["state"] and not tree.nodes[2]["state"] and tree.nodes[3]["state"]
+
+
+def test_an_incomplete_book_falls_back_to_lru():
+    from sglang_kda.cache.checkpoints import evict_states
+    from sglang_kda.cache.stats import STATS
+
+    tree = FakeTree()
+    tree.add(1, None, 64)
+    tree.add(2, 1, 128)
+    tree.nodes[3] = {"parent": 2, "depth": 192, "state": True, "lock": 0, "lru": 0}  # unbooked
+    before = STATS.eviction_lru_fallbacks
+    assert evict_states(tree, 1, 1.0) == 1
+    assert STATS.eviction_lru_fallbacks == before + 1
+    assert not tree.nodes[3]["state"]  # SGLang's LRU: the oldest
+
+
+def test_stale_book_entries_are_dropped():
+    from sglang_kda.cache.checkpoints import eviction_candidates, state_book
+
+    tree = FakeTree()
+    tree.add(1, None, 64)
+    tree.add(2, 1, 128)
+    tree.nodes[2]["state"] = False  # SGLang evicted it itself
+    del tree.nodes[2]
+    cands = eviction_candidates(tree)
+    assert [c.node_id for c in cands] == [1] and state_book(tree).node_ids() == [1]
+    assert cands[0].kda_layers == LAYERS and cands[0].nbytes == LAYERS * (4 + 3) * 4
