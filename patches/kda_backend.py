@@ -107,6 +107,15 @@ def wanted(ctx) -> bool:
     return ctx.kernel in ("torch", "triton")
 
 
+def _host_bounds(seq_lens, cache_indices: torch.Tensor, q: torch.Tensor) -> Optional[list[int]]:
+    """``query_start_loc`` as host ints from the scheduler's ``extend_seq_lens_cpu`` (None when
+    absent or not consistent with the batch: one length per pool row, summing to q's tokens)."""
+    if seq_lens is None or len(seq_lens) != cache_indices.numel():
+        return None
+    bounds = [0, *itertools.accumulate(int(n) for n in seq_lens)]
+    return bounds if bounds[-1] == q.shape[-3] else None
+
+
 def _ops(kernel: str):
     if kernel == "torch":
         from sglang_kda.kernels import kda_torch as ops
@@ -159,6 +168,10 @@ def make_kernel_class(base: type, kernel: str) -> type:
             extra = {}
             if call is not None:  # capture grid checkpoints for the cache
                 extra = {"checkpoint_every": call[0].every, "prefix_lens": call[0].prefix_lens}
+            bounds = _host_bounds(kwargs.get("extend_seq_lens_cpu"), cache_indices, q)
+            if kernel == "triton" and bounds is not None:
+                # the scheduler's host lengths: no device-to-host copy of query_start_loc
+                extra["cu_seqlens_cpu"] = bounds
             res = ops.kda_extend_pool(
                 q, k, v, g, beta,
                 A_log=A_log,

@@ -92,3 +92,26 @@ def test_slot_refuses_what_it_cannot_do():
         )  # fmt: skip
     with pytest.raises(NotImplementedError, match="one token per sequence"):
         kernel.decode(q, k, v, g_raw, beta_raw, query_start_loc=torch.tensor([0, 4]), **common)
+
+
+def test_triton_extend_takes_host_lengths_not_query_start_loc():
+    """With the scheduler's ``extend_seq_lens_cpu`` (as KDAAttnBackend passes it) the Triton path
+    never reads ``query_start_loc`` back to the host (a sync on a GPU): here it is a ``meta``
+    tensor, which has no data to read. Inconsistent host lengths fall back to it."""
+    lens = [5, 70]
+    T = sum(lens)
+    q, k, v, g_raw, beta_raw, A_log, dt_bias = _inputs(T, seed=3)
+    rows = torch.tensor([2, 0])
+    kernel = _kernel("triton")
+    cu = torch.tensor([0, 5, 75])
+    outs = []
+    for qsl, seq_lens in ((torch.empty(3, device="meta"), lens), (cu, [5, 69]), (cu, None)):
+        slots = torch.zeros(4, H, K, K)
+        o = kernel.extend(
+            q, k, v, g_raw, beta_raw,
+            ssm_states=slots, cache_indices=rows, query_start_loc=qsl,
+            A_log=A_log, dt_bias=dt_bias, beta_is_raw=True, extend_seq_lens_cpu=seq_lens,
+        )  # fmt: skip
+        outs.append((o, slots[rows].clone()))
+    for o, s in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
