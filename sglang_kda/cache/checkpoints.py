@@ -247,6 +247,11 @@ def enforce_pool_size(tree_cache, cap: int, alpha: Optional[float] = None) -> in
         after = held_states(tree_cache)
         STATS.add("checkpoints_evicted", held - after)
         held = after
+    book = state_book(tree_cache)
+    if len(book) > 2 * held + 64:  # states SGLang evicted or flushed itself: drop, amortized
+        for nid in book.node_ids():
+            if not _has_state(tree_cache, nid):
+                book.forget(nid)
     return held
 
 

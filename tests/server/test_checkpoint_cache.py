@@ -280,15 +280,87 @@ def test_in_flight_chunked_request_skips_segments_a_twin_just_checkpointed(serve
 
 
 def test_small_state_pool_evicts_and_stays_correct(server_small, ref):
+    """Eviction pressure on a 20-state cap, by the default rule (``--kda-eviction marconi``).
+
+    A deep prompt (1280 tokens: 20 grid checkpoints) goes first, then 14 short ones (~5 states
+    each). Those alone insert far more than the cap, so least-recently-used eviction would keep
+    none of the deep prompt's states. The rule thins the deep chain instead: the survivors, far
+    apart, each save many serial KDA steps, and outlive newer checkpoints that save one step.
+    A prompt diverging from the deep one at 1100 tokens still resumes deep inside it."""
     rng = random.Random(12)
+    deep = rand_ids(rng, 1280)
     prompts = [rand_ids(rng, 300) for _ in range(14)]
     flush_cache_until_ok(server_small)
+    gen(server_small, deep)
+    after_deep = cache_stats(server_small)
     for ids in prompts:  # ~5 states each: more than the 20-state cap and the 48-slot pool hold
         gen(server_small, ids)
+    stats = cache_stats(server_small)
+    newer = stats["checkpoints_admitted"] - after_deep["checkpoints_admitted"]
+    assert newer >= 20, newer  # LRU would hold only states newer than the deep prompt's
+    probe = deep[:1100] + rand_ids(rng, 20)
+    out = gen(server_small, probe)
+    assert_matches(out, ref(probe), "diverging from the deep prompt after eviction pressure")
+    cached = out["meta_info"]["cached_tokens"]
+    assert cached >= 512, f"the deep prompt's checkpoints were evicted (cached {cached})"
     for k in (0, 5, 13):  # early ones lost states to eviction, late ones still hit
         out = gen(server_small, prompts[k])
         assert_matches(out, ref(prompts[k]), f"prompt {k} after eviction pressure")
     stats = cache_stats(server_small)
     assert stats["checkpoints_held"] <= 20
     assert stats["checkpoints_evicted"] > 0
+    assert stats["eviction_lru_fallbacks"] == 0  # every tree state was in the state book
+    assert stats["integrity"]["counted_states"] == stats["integrity"]["tree_states"]
     wait_until_no_requests(server_small)
+
+
+# --- Twins on, a large chunk: a waiting twin does not end the round for others ---
+
+
+@pytest.fixture(scope="module")
+def server_twins(tmp_path_factory, tiny_model_dir):
+    srv = start_server(
+        tmp_path_factory,
+        tiny_model_dir,
+        "cache-twins",
+        [
+            "--kda-policy", "kda",
+            "--kda-twins", "on",
+            "--kda-debug-integrity", "on",
+            "--chunked-prefill-size", "1024",
+        ],
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_a_waiting_twin_does_not_hold_back_an_unrelated_request(server_twins, ref):
+    """Two twins (a shared 320-token prefix) and an unrelated short prompt arrive together. The
+    round admits the first twin (the leader) whole; the second waits for its checkpoints; the
+    unrelated one, behind it in the queue, is still admitted in that round."""
+    rng = random.Random(14)
+    prefix = rand_ids(rng, 320)
+    twins = [prefix + rand_ids(rng, 8) for _ in range(2)]
+    other = rand_ids(rng, 24)
+    flush_cache_until_ok(server_twins)
+    wait_until_no_requests(server_twins)
+    before = cache_stats(server_twins)
+    r = server_twins.post(
+        "/generate",
+        {
+            "input_ids": [*twins, other],
+            "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    for k, ids in enumerate([*twins, other]):
+        assert_matches(outs[k], ref(ids), f"request {k}")
+    after = cache_stats(server_twins)
+    if after["twin_waits"] == before["twin_waits"]:
+        pytest.skip("the twins did not reach the scheduler in one round (timing)")
+    assert outs[1]["meta_info"]["cached_tokens"] >= 256  # the follower resumed from the leader
+    passed = after["admitted_past_waiting_twin"] - before["admitted_past_waiting_twin"]
+    assert passed >= 1, "the unrelated request was not admitted past the waiting twin"
+    wait_until_no_requests(server_twins)
