@@ -207,6 +207,8 @@ def record_fla(T: int, H: int, K: int, V: int) -> str:
     import fla
     from fla.ops.kda import chunk_kda
 
+    SOURCE_ROOTS.append(Path(fla.__file__).resolve().parent)
+
     bf, f32 = torch.bfloat16, torch.float32
     chunk_kda(
         _meta(1, T, H, K, dtype=bf), _meta(1, T, H, K, dtype=bf), _meta(1, T, H, V, dtype=bf),
@@ -477,11 +479,28 @@ def disassemble(cubin: bytes) -> list[Instr]:
     return instrs
 
 
+# package directories whose files line info may name under another install location (a cubin
+# from Triton's cache keeps the paths of the install that compiled it)
+SOURCE_ROOTS: list[Path] = [ROOT / "kernels"]
+
+
+def _resolve_source(path: str) -> Path:
+    """The file line info names, or the same file under a current root in SOURCE_ROOTS."""
+    p = Path(path)
+    if p.exists():
+        return p
+    for root in SOURCE_ROOTS:
+        i = path.rfind(f"/{root.name}/")
+        if i >= 0 and (root.parent / path[i + 1 :]).exists():
+            return root.parent / path[i + 1 :]
+    return p
+
+
 @lru_cache(maxsize=None)
 def _source_blocks(path: str) -> tuple[list, list]:
     """(for nodes, if nodes) of a Python file: (first line, last line, text of the header line)."""
     try:
-        src = Path(path).read_text()
+        src = _resolve_source(path).read_text()
     except OSError:
         return [], []
     lines = src.splitlines()
