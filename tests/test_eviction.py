@@ -304,3 +304,123 @@ def test_stale_book_entries_are_dropped():
     cands = eviction_candidates(tree)
     assert [c.node_id for c in cands] == [1] and state_book(tree).node_ids() == [1]
     assert cands[0].kda_layers == LAYERS and cands[0].nbytes == LAYERS * (4 + 3) * 4
+
+
+# --- the wiring against SGLang's own UnifiedRadixCache, Python and Rust tree cores ---
+
+
+@pytest.fixture(scope="module")
+def real_cache_factory():
+    """Builds SGLang's ``UnifiedRadixCache`` (FULL + MAMBA, CPU) with the chosen tree core
+    through SGLang's own unit-test kit (its Rust inspection build is absent from the wheel, so
+    the plain Rust core stands in for it)."""
+    import sys
+    import types
+    from unittest import mock
+
+    import sglang_kda  # noqa: F401 - import guards before SGLang
+
+    kit = pytest.importorskip("sglang.test.kits.unified_radix_cache.fixtures")
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+    def build(backend: str):
+        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+
+        name = "sglang.test.kits.unified_radix_cache.rust_unified_tree_core_inspector"
+        stand_in = types.ModuleType(name)
+        stand_in.RustUnifiedTreeCoreInspector = RustUnifiedTreeCore
+        cfg = CacheConfig(
+            components=(ComponentType.FULL, ComponentType.MAMBA),
+            kv_size=20000,
+            max_context_len=2048,
+            mamba_cache_size=40,
+        )
+        with (
+            mock.patch.object(kit, "get_device", return_value="cpu"),
+            mock.patch.object(kit, "UnifiedTreeCoreInspectionInterface", object),
+            mock.patch.dict(sys.modules, {name: stand_in}),
+        ):
+            cache, allocator, pool = kit.build_fixture(
+                cfg, tree_core_backend=backend, mamba_cache_chunk_size=64
+            )
+        want = "RustUnifiedTreeCore" if backend == "rust" else "UnifiedTreeCore"
+        if want not in [c.__name__ for c in type(cache.tree_core).__mro__]:
+            pytest.skip(f"the {backend} tree core is not available here")
+        return cache, allocator, pool
+
+    return build
+
+
+def _insert(cache, allocator, pool, seq):
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_kda.cache.checkpoints import note_state
+
+    value = allocator.alloc(len(seq))
+    slot = pool.mamba_allocator.alloc(1)
+    res = cache.insert(InsertParams(key=RadixKey(array("q", seq)), value=value, mamba_value=slot))
+    note_state(cache, res.last_device_node)
+    return res.last_device_node
+
+
+@pytest.mark.parametrize("backend", ["python", "rust"])
+def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend):
+    from sglang_kda.cache.checkpoints import (
+        enforce_pool_size,
+        eviction_candidates,
+        held_states,
+        integrity_report,
+    )
+
+    cache, allocator, pool = real_cache_factory(backend)
+    tokens = list(range(1, 1025))
+    for k in range(1, 17):  # a chain 64..1024, shallow first
+        _insert(cache, allocator, pool, tokens[: 64 * k])
+    assert held_states(cache) == 16 == cache.all_mamba_values_flatten().numel()
+    cands = eviction_candidates(cache)
+    assert sorted((c.depth, c.ancestor_depth) for c in cands) == [
+        (64 * k, 64 * (k - 1)) for k in range(1, 17)
+    ]
+    depth = {c.node_id: c.depth for c in cands}
+    gone = sorted(depth[v] for v in pick_victims(cands, 8, 1.0))
+    assert enforce_pool_size(cache, 8, 1.0) == 8
+    kept = sorted(c.depth for c in eviction_candidates(cache))
+    assert sorted(set(depth.values()) - set(kept)) == gone
+    cache.sanity_check()  # SGLang's own: locks, sizes, LRU lists
+    report = integrity_report(cache, [], strict=True)
+    assert report["tree_states"] == report["counted_states"] == 8 == report["slots_in_use"]
+
+
+@pytest.mark.parametrize("backend", ["python", "rust"])
+def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factory, backend):
+    from sglang_kda.cache.checkpoints import (
+        evict_states,
+        eviction_candidates,
+        held_states,
+        integrity_report,
+    )
+
+    cache, allocator, pool = real_cache_factory(backend)
+    tokens = list(range(1, 1025))
+    for k in (16, 8, 4, 12, 2, 14):  # deep first: later inserts split nodes
+        _insert(cache, allocator, pool, tokens[: 64 * k])
+    held_node = _insert(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
+    cands = eviction_candidates(cache)
+    assert len(cands) == held_states(cache) == 7
+    assert sorted((c.depth, c.ancestor_depth) for c in cands) == [
+        (128, 0), (256, 128), (500, 256), (512, 256), (768, 512), (896, 768), (1024, 896),
+    ]  # fmt: skip
+    live = cache.lock(held_node)  # a live request holds the branch's state
+    try:
+        assert evict_states(cache, 6, 100.0) == 6  # everything but the held one
+        left = eviction_candidates(cache)
+        assert [c.depth for c in left] == [500]
+    finally:
+        cache.unlock(live)
+    cache.sanity_check()
+    report = integrity_report(cache, [], strict=True)
+    assert report["tree_states"] == report["counted_states"] == 1
