@@ -88,4 +88,7 @@ def test_our_kernels_do_not_spill_at_served_shapes(tmp_path):
     for r in chosen:
         assert int(r["spill_stores"]) == 0 and int(r["spill_loads"]) == 0, r
         assert not r["notes"], r
+    # the A-block kernel (the largest cost) fits four 4-warp blocks per SM: <= 128 registers
+    intra = [r for r in chosen if r["kernel"] == "chunk_kda_fwd_intra_kernel"]
+    assert intra and int(intra[0]["registers"]) <= 128 and int(intra[0]["blocks_per_sm"]) >= 4
     assert out.strip().endswith("spilling kernels: 0")
