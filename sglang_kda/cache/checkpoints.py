@@ -341,41 +341,44 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
 
 def evict_states(tree_cache, n: int, alpha: Optional[float], grid: int = GRID) -> int:
     """Evict ``n`` tree-held states: the lowest scores of :func:`~sglang_kda.cache.eviction.
-    pick_victims` (alpha = the weight of serial work saved per byte), or SGLang's LRU walk
-    when ``alpha`` is None or the book does not account for every state the tree holds.
-    Locked states (a live request's) stay; returns how many went."""
+    pick_victims` (alpha = the weight of serial work saved per byte) among the evictable ones,
+    or SGLang's LRU walk when ``alpha`` is None or the book does not account for every state
+    the tree holds. Returns how many went.
+
+    Every known state is locked first (the shield); a lock that moves the state from the MAMBA
+    evictable to the protected ledger finds it unlocked, i.e. evictable (a live request's lock
+    or the tree's own keep the others). The victims' shields are then released, SGLang's walk
+    evicts ``len(victims)`` states (the only unlocked ones: exactly the victims), and the
+    remaining shields are released."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     if n <= 0:
         return 0
     if alpha is None:
         return int(tree_cache.evict(EvictParams(num_tokens=0, mamba_num=n)).mamba_num_evicted)
-    book = state_book(tree_cache)
-    evicted = 0
-    stuck: set[int] = set()
-    for _ in range(4):  # a victim a live request holds stays; pick again without it
-        need = n - evicted
-        if need <= 0:
-            break
-        cands = eviction_candidates(tree_cache, grid)
-        if len(cands) != held_states(tree_cache):
-            STATS.add("eviction_lru_fallbacks")
-            res = tree_cache.evict(EvictParams(num_tokens=0, mamba_num=need))
-            return evicted + int(res.mamba_num_evicted)
-        victims = pick_victims([c for c in cands if c.node_id not in stuck], need, alpha, grid)
-        if not victims:
-            break
-        chosen = set(victims)
-        shields = [tree_cache.lock(c.node_id) for c in cands if c.node_id not in chosen]
-        try:
-            res = tree_cache.evict(EvictParams(num_tokens=0, mamba_num=len(victims)))
-        finally:
-            for lock in shields:
-                tree_cache.unlock(lock)
-        evicted += int(res.mamba_num_evicted)
+    cands = eviction_candidates(tree_cache, grid)
+    if len(cands) != held_states(tree_cache):
+        STATS.add("eviction_lru_fallbacks")
+        return int(tree_cache.evict(EvictParams(num_tokens=0, mamba_num=n)).mamba_num_evicted)
+    shields: dict[int, object] = {}
+    try:
+        evictable = []
+        for c in cands:
+            before = tree_cache.mamba_protected_size()
+            shields[c.node_id] = tree_cache.lock(c.node_id)
+            if tree_cache.mamba_protected_size() > before:
+                evictable.append(c)
+        victims = pick_victims(evictable, n, alpha, grid)
         for v in victims:
-            if _has_state(tree_cache, v):
-                stuck.add(v)
-            else:
-                book.forget(v)
-    return evicted
+            tree_cache.unlock(shields.pop(v))
+        if not victims:
+            return 0
+        res = tree_cache.evict(EvictParams(num_tokens=0, mamba_num=len(victims)))
+    finally:
+        for lock in shields.values():
+            tree_cache.unlock(lock)
+    book = state_book(tree_cache)
+    for v in victims:
+        if not _has_state(tree_cache, v):
+            book.forget(v)
+    return int(res.mamba_num_evicted)
