@@ -15,8 +15,8 @@ Workloads (all greedy, short outputs, a fixed seed):
   previous answer + new user text.
 - ``burst``: groups of requests sharing a ~900-token prefix with distinct short tails, each group
   sent at once (the twins case).
-- ``diverge``: a ~700-token base prompt, then requests sharing its first N tokens (N random,
-  never a multiple of 64) followed by new tails, one after the other. The base request itself
+- ``diverge``: a ~700-token base prompt, then requests sharing its first N tokens (N random in
+  300-650, never a multiple of 64) followed by new tails, one after the other. The base request itself
   (the same full computation under both policies) primes the cache and is not measured.
 - ``repeat``: the same prompt twice, one after the other (826 tokens, then 700 and 1000).
 
@@ -38,11 +38,14 @@ workload and policy, ``summary.csv`` (all rows), ``ratios.md`` (the kda/stock ta
 printed) and ``<metric>.png`` bar plots. ``--quick`` shrinks every workload. Measured on 2
 shared CPU cores: one server start takes ~2 min, the quick workloads ~1.5 min per policy on a
 quiet machine (~7 min in all) and up to 11 min in all when other jobs load the cores; the full
-workloads take about twice as long as the quick ones.
+workloads take about twice as long as the quick ones. ``--scale K`` multiplies the shared lengths
+(system prompts, burst prefix, diverging base and its 300-650 divergence window, repeats) by K,
+not the fresh tails, so that prefill compute rather than the per-round fixed cost sets TTFT.
 
 Example::
 
     .venv/bin/python benchmark/cache_side_by_side.py --quick
+    .venv/bin/python benchmark/cache_side_by_side.py --quick --scale 8 --chunked-prefill-size 0
     .venv/bin/python benchmark/cache_side_by_side.py --workloads burst,repeat -- --kda-some-flag
 """
 
@@ -328,7 +331,22 @@ class Tokens:
         return list(self.ids[start : start + n])
 
 
-def sizes(quick: bool) -> dict:
+def sizes(quick: bool, scale: int = 1) -> dict:
+    """Workload sizes. ``scale`` multiplies the shared lengths (system prompts, burst prefix,
+    diverging base and its divergence window, repeats), never the fresh tails: at ``scale`` 1 a
+    tiny-model prefill takes tens of ms and the per-round fixed cost dominates TTFT; larger
+    scales show where compute dominates."""
+    cfg = _sizes(quick)
+    if scale != 1:
+        for key in ("mt_system", "burst_prefix", "div_base"):
+            cfg[key] *= scale
+        cfg["rep_lens"] = tuple(n * scale for n in cfg["rep_lens"])
+        cfg["gsp"] = dict(cfg["gsp"], system=cfg["gsp"]["system"] * scale)
+    cfg["div_window"] = (300 * scale, 650 * scale)
+    return cfg
+
+
+def _sizes(quick: bool) -> dict:
     if quick:
         return dict(
             new_tokens=4,
@@ -393,7 +411,8 @@ async def run_client_workload(name: str, url: str, cfg: dict, seed: int, model: 
                 # that follow are measured.
                 await generate(session, url, base, new)
                 for _ in range(cfg["div_requests"]):
-                    n = off_grid(rng, 300, min(650, len(base) - 1))
+                    lo, hi = cfg["div_window"]
+                    n = off_grid(rng, lo, min(hi, len(base) - 1))
                     prompt = base[:n] + toks.take(rng.randint(*cfg["div_tail"]))
                     results.append(await generate(session, url, prompt, new))
         elif name == "repeat":
@@ -592,6 +611,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        help="multiply the shared prompt lengths (not the fresh tails) by this factor",
+    )
+    parser.add_argument(
         "--chunked-prefill-size", type=int, default=256, help="0: the server's default"
     )
     parser.add_argument("--policies", default="stock,kda", help="comma-separated, in this order")
@@ -621,7 +646,7 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-cache-bench-"))
-    cfg = sizes(args.quick)
+    cfg = sizes(args.quick, args.scale)
     policies = args.policies.split(",")
     rows: list[dict] = []
     t0 = time.monotonic()
@@ -637,7 +662,7 @@ def main() -> int:
     cmd = " ".join(["benchmark/cache_side_by_side.py", *sys.argv[1:]])
     header = (
         f"command: `{cmd}`; chunked prefill {args.chunked_prefill_size}, seed {args.seed}, "
-        f"{'quick' if args.quick else 'full'} sizes, {os.cpu_count()} CPUs, "
+        f"{'quick' if args.quick else 'full'} sizes x{args.scale}, {os.cpu_count()} CPUs, "
         f"{time.monotonic() - t0:.0f}s in all, 1-min load average {load0:.1f} at start and "
         f"{os.getloadavg()[0]:.1f} at end (TTFT and throughput suffer from a shared machine; "
         "token counts do not)"
