@@ -6,6 +6,11 @@ Usage:
     python benchmark/kernel_static.py --side ours --kernels chunk_kda_fwd_o_kernel --T 4096
     python benchmark/kernel_static.py --out /tmp/ks          # CSV + table somewhere else
 
+fla (for the comparison) lives outside the project venv (installed there, transformers would route
+its CPU Kimi-Linear reference to fla's GPU kernels): ``pip install --no-deps --target
+/tmp/fla_site flash-linear-attention==0.6.0 fla-core==0.6.0`` and run with
+``PYTHONPATH=/tmp/fla_site``.
+
 What it does, with no GPU:
 
 1. Pretends to be on an H200 for the launchers only: a fake Triton driver (target
@@ -764,8 +769,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             fla_version = record_fla(T, H, D, D)
         except ImportError as e:
-            print(f"fla not importable ({e}); pip install --no-deps flash-linear-attention "
-                  "fla-core (see requirements/test.txt)", file=sys.stderr)  # fmt: skip
+            print(f"fla not importable ({e}); pip install --no-deps --target /tmp/fla_site "
+                  "flash-linear-attention==0.6.0 fla-core==0.6.0, then PYTHONPATH=/tmp/fla_site "
+                  "(not into the project venv: see the bench extra in pyproject.toml)",
+                  file=sys.stderr)  # fmt: skip
     keep = {k for k in args.kernels.split(",") if k}
     launches = [x for x in LAUNCHES if not keep or x.name in keep]
     units = _cdiv(T, 64) * H
