@@ -42,7 +42,7 @@ the lower-left quarter factors the same way through the row between the halves.
 
 Blocks (see ``KERNEL_CONFIG``, env-overridable; no autotuning because the state kernel updates
 the pool and ``u`` in place; ``benchmark/kernel_static.py`` compares the compiled code of each
-choice for sm_90 without a GPU): intra BT=64, BC=16, K slices of 32 (pairs: 8), 4 warps, 1
+choice for sm_90 without a GPU): intra BT=64, BC=16, K slices of 32 (pairs: 16), 4 warps, 1
 stage, at most 128 registers; solve 1 warp (16x16 dots, no replication); w/u K slices of
 32, V slices of 64; state kernel holds the whole K (next
 power of two) x BV=32 fp32 state in registers, 4 warps, 2 stages; output kernel BV=128.
@@ -884,7 +884,7 @@ def _env_int(name: str, default: int) -> int:
 # benchmark/kernel_kda.py --sweep edits this dict directly.
 KERNEL_CONFIG: dict[str, int] = {
     "intra_bk": _env_int("SGLANG_KDA_INTRA_BK", 0),  # 0: 64 for K <= 64, else 32
-    "intra_bkd": _env_int("SGLANG_KDA_INTRA_BKD", 8),  # K slice of the diagonal-pair broadcast
+    "intra_bkd": _env_int("SGLANG_KDA_INTRA_BKD", 16),  # K slice of the diagonal-pair broadcast
     "intra_warps": _env_int("SGLANG_KDA_INTRA_WARPS", 4),
     "intra_stages": _env_int("SGLANG_KDA_INTRA_STAGES", 1),
     # register cap (0: none): 128 lets four 4-warp blocks share an SM (ptxas fits it unspilled)
