@@ -17,7 +17,9 @@ How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a cap
     write_checkpoint_slot`, which may evict a tree state by the ``--kda-eviction`` rule), or
     caches nothing (returns 0) when no slot can be had. Every other insert is upstream's. After
     each insert and each admission match, the node holding the state is noted in the state book
-    (:func:`~sglang_kda.cache.checkpoints.note_state`). Only with ``--kda-policy kda``.
+    (:func:`~sglang_kda.cache.checkpoints.note_state`); after a finished request's insert the
+    tree is brought back under ``--kda-checkpoint-pool-size`` (the prefill-step check runs
+    before requests finish). Only with ``--kda-policy kda``.
 Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends) and
     offers per-node state eviction with a cost-aware policy.
 """
@@ -36,7 +38,7 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cache.checkpoints import note_state, write_checkpoint_slot
+    from sglang_kda.cache.checkpoints import enforce_pool_size, note_state, write_checkpoint_slot
     from sglang_kda.cache.eviction import parse_eviction
 
     cls = importlib.import_module(UPSTREAM).MambaComponent
@@ -46,6 +48,7 @@ def apply(ctx) -> None:
     orig_cleanup = cls.cleanup_after_caching_req
     orig_finalize = cls.finalize_match_result_in_cache
     alpha = parse_eviction(ctx.config.eviction)
+    cap = ctx.config.checkpoint_pool_size
 
     @functools.wraps(orig)
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
@@ -64,6 +67,8 @@ def apply(ctx) -> None:
         node = getattr(result, "last_device_node", None)
         if node is not None and _holds_state(self, node):
             note_state(self.cache, node)
+            if is_finished and cap:  # the cap also holds between prefill steps
+                enforce_pool_size(self.cache, cap, alpha)
         return out
 
     @functools.wraps(orig_finalize)
