@@ -166,3 +166,20 @@ def test_thread_binding_indexed_by_device_id():
     # index 0 is used by no rank: it gets all cores; each used index its own group
     assert thread_binding([1, 2], [[0, 1, 2, 3]]) == "0,1,2,3|0,1|2,3"
     assert thread_binding([0], [[0, 1]]) is None
+
+
+def test_one_rank_leaves_a_core_to_the_other_processes():
+    from sglang_kda.launch_server import THREADS_BIND_ENV, cpu_compute_threads_env
+
+    env, note = cpu_compute_threads_env(_ranks_args(), environ={}, cores=2)
+    assert env == {"OMP_NUM_THREADS": "1"} and "OMP_NUM_THREADS" in note
+    assert cpu_compute_threads_env(_ranks_args(), environ={}, cores=16)[0] == {
+        "OMP_NUM_THREADS": "15"
+    }
+    assert cpu_compute_threads_env(_ranks_args(), environ={}, cores=1)[0] == {
+        "OMP_NUM_THREADS": "1"
+    }
+    # the user's choice wins; several ranks are bound by cpu_threads_bind_env instead
+    for environ in ({"OMP_NUM_THREADS": "2"}, {THREADS_BIND_ENV: "0,1"}):
+        assert cpu_compute_threads_env(_ranks_args(), environ=environ, cores=2) == ({}, None)
+    assert cpu_compute_threads_env(_ranks_args(tp=2), environ={}, cores=2) == ({}, None)

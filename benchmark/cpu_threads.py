@@ -1,0 +1,174 @@
+"""Compute threads of a one-rank CPU server: decode ITL and prefill time, 1 vs all cores.
+
+The launcher gives a single CPU rank ``cores - 1`` OpenMP threads unless ``OMP_NUM_THREADS`` is
+set (``sglang_kda.launch_server.cpu_compute_threads_env``). This benchmark shows why, in one run:
+for each thread count (``--threads``, default ``1 2``), alternating, ``--reps`` times, it starts
+the server with that ``OMP_NUM_THREADS`` (default flags, tiny model) and measures
+
+- decode: 4 streaming greedy decodes (200-token prompts, 300 tokens each) started together; the
+  gaps between streamed tokens give ITL p50/p90/p99/max;
+- prefill: one ``--prefill-tokens`` prompt alone (``max_new_tokens 1``): its TTFT.
+
+Before the measured requests each server serves a warm-up (prefill and decode at batch 1-4), so
+one-time costs (torch.compile of SGLang's MoE router on the first shapes) are not counted.
+``--load N`` runs N busy-loop processes during the measurements (the other jobs of a shared
+machine; the server's own tokenizer, detokenizer and HTTP processes and this client are always
+there). Output: ``benchmark/results/cpu_threads/threads.csv`` and a table.
+
+    .venv/bin/python benchmark/cpu_threads.py                 # quiet machine
+    .venv/bin/python benchmark/cpu_threads.py --load 1        # one other busy process
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import multiprocessing as mp
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cache_side_by_side import Server  # noqa: E402
+
+OUT = HERE / "results" / "cpu_threads"
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+def generate(url: str, ids: list[int], n: int, stream: bool = False):
+    payload = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "stream": stream,
+    }
+    return requests.post(url + "/generate", json=payload, stream=stream, timeout=1800)
+
+
+def warm_up(url: str, rng: random.Random) -> None:
+    for k in range(1, 5):
+        ths = [
+            threading.Thread(target=generate, args=(url, [rng.randrange(8, 1024)] * 300, 8))
+            for _ in range(k)
+        ]
+        [t.start() for t in ths]
+        [t.join() for t in ths]
+
+
+def decode_itl(url: str, rng: random.Random, streams: int = 4, new: int = 300) -> list[float]:
+    gaps: list[float] = []
+    lock = threading.Lock()
+    prompts = [[rng.randrange(8, 1024) for _ in range(200)] for _ in range(streams)]
+
+    def one(ids: list[int]) -> None:
+        last = None
+        mine = []
+        for line in generate(url, ids, new, stream=True).iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                mine.append(now - last)
+            last = now
+        with lock:
+            gaps.extend(mine)
+
+    ths = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    [t.start() for t in ths]
+    [t.join() for t in ths]
+    return sorted(gaps)
+
+
+def q(xs: list[float], f: float) -> float:
+    return xs[min(len(xs) - 1, int(f * (len(xs) - 1)))] * 1e3 if xs else float("nan")
+
+
+def measure(model: str, threads: int, args, log: Path) -> dict:
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        server = Server(model, "kda", [], log)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    rng = random.Random(threads)
+    busy = []
+    try:
+        warm_up(server.url, rng)
+        busy = [mp.Process(target=_busy, daemon=True) for _ in range(args.load)]
+        [b.start() for b in busy]
+        t0 = time.perf_counter()
+        gaps = decode_itl(server.url, rng)
+        decode_s = time.perf_counter() - t0
+        ids = [rng.randrange(8, 1024) for _ in range(args.prefill_tokens)]
+        t0 = time.perf_counter()
+        generate(server.url, ids, 1).raise_for_status()
+        prefill_s = time.perf_counter() - t0
+    finally:
+        for b in busy:
+            b.terminate()
+        server.stop()
+    return {
+        "threads": threads,
+        "load": args.load,
+        "itl_p50_ms": q(gaps, 0.5),
+        "itl_p90_ms": q(gaps, 0.9),
+        "itl_p99_ms": q(gaps, 0.99),
+        "itl_max_ms": q(gaps, 1.0),
+        "decode_wall_s": decode_s,
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_s": prefill_s,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--load", type=int, default=0, help="busy-loop processes while measuring")
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from sglang_kda.tiny_model import build_tiny_model
+
+    model = args.model or str(build_tiny_model(HERE.parent / "models" / "tiny-kimi-linear"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    logs = Path(tempfile.mkdtemp(prefix="cpu_threads_"))
+    print(f"server logs: {logs}", flush=True)
+    rows = []
+    for rep in range(args.reps):
+        for t in args.threads:
+            row = measure(model, t, args, logs / f"server_t{t}_load{args.load}_{rep}.log")
+            row["rep"] = rep
+            rows.append(row)
+            print(
+                f"threads {t} load {args.load} rep {rep}: ITL p50 {row['itl_p50_ms']:.1f} "
+                f"p99 {row['itl_p99_ms']:.1f} max {row['itl_max_ms']:.1f} ms; "
+                f"{args.prefill_tokens}-token prefill {row['prefill_s']:.2f} s",
+                flush=True,
+            )
+    path = args.out / f"threads_load{args.load}.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
