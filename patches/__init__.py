@@ -32,6 +32,7 @@ PATCH_MODULES = (
     "batch_result_processor",
     "internal_state",
     "tokenizer_manager",
+    "tp_worker",
 )
 
 _applied: list[str] = []
