@@ -261,6 +261,10 @@ def held_states(tree_cache) -> int:
     :func:`integrity_report` checks this against a walk."""
     try:
         return int(tree_cache.mamba_evictable_size()) + int(tree_cache.mamba_protected_size())
+    except AttributeError:  # a cache without the counters: walk it
+        pass
+    try:
+        return int(tree_cache.all_mamba_values_flatten().numel())
     except Exception:
         return 0
 
