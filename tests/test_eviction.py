@@ -424,3 +424,44 @@ def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factor
     cache.sanity_check()
     report = integrity_report(cache, [], strict=True)
     assert report["tree_states"] == report["counted_states"] == 1
+
+
+@pytest.mark.parametrize("backend", ["python", "rust"])
+def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_factory, backend):
+    """The state pool is full (tree states + live slots): a captured checkpoint's slot comes
+    from evicting the rule's first victim, not SGLang's least recently used state."""
+    from types import SimpleNamespace
+
+    from sglang_kda.cache.capture import ForwardCapture
+    from sglang_kda.cache.checkpoints import eviction_candidates, write_checkpoint_slot
+
+    cache, allocator, pool = real_cache_factory(backend)
+    tokens = list(range(1, 1025))
+    # LRU order 512 (512 tokens past the root), 576 and 640 (one grid step each), 1024 (384).
+    for k in (8, 9, 10, 16):
+        _insert(cache, allocator, pool, tokens[: 64 * k])
+    cands = eviction_candidates(cache)
+    depth = {c.node_id: c.depth for c in cands}
+    first = depth[pick_victims(cands, 1, 1.0)[0]]
+    assert first == 576  # LRU's would be 512
+    live = pool.mamba_allocator.alloc(
+        pool.mamba_allocator.available_size()
+    )  # requests hold the rest
+    assert pool.mamba_allocator.available_size() == 0
+
+    mamba_cache = pool.mamba_pool.mamba_cache
+    cap = ForwardCapture.open([0], [64], 64)
+    for layer_id in pool.mamba_pool.mamba_layer_ids:
+        cap.add_layer(
+            layer_id,
+            torch.full((1, *mamba_cache.temporal.shape[2:]), 3.0),
+            torch.full((1, *mamba_cache.conv[0].shape[2:]), 3.0),
+        )
+    req = SimpleNamespace(_kda_checkpoint=(cap, 0))
+    slot = write_checkpoint_slot(cache, req, 1.0)
+    assert slot is not None
+    kept = sorted(c.depth for c in eviction_candidates(cache))
+    assert sorted(set(depth.values()) - set(kept)) == [first]
+    pool.mamba_allocator.free(slot)
+    pool.mamba_allocator.free(live)
+    cache.sanity_check()
