@@ -9,11 +9,12 @@ Why: on the CPU engine every PyTorch operator runs over all of the rank's OpenMP
     scheduler's samples in libgomp's barrier under ``F.linear`` and the KDA kernel), and it
     grows without bound when another process holds a core (a barrier waits for a descheduled
     thread: 30-150x slower per operator in a measurement on the 2-core box).
-How: :class:`sglang_kda.perf_threads.ThreadPolicy` estimates the step's arithmetic from the
-    batch (dense FLOPs per token x tokens + attention pairs x per-pair FLOPs, from the model
-    config) and runs the call on one thread below ``SGLANG_KDA_PARALLEL_MIN_GFLOP`` (default
-    2; 0 turns the rule off), else on the process's own thread count, restored after the call.
-    Only on the CPU engine.
+How: :class:`sglang_kda.perf_threads.ThreadPolicy` estimates the step's dense arithmetic from
+    the batch (2 x parameters x new tokens) and runs the call on one thread below
+    ``SGLANG_KDA_PARALLEL_MIN_GFLOP`` (default 2; 0 turns the rule off), else on the process's
+    own thread count, restored after the call. With the launcher's default of one OpenMP thread
+    on the 2-core box this changes nothing; it matters where the rank has several threads
+    (``OMP_NUM_THREADS``, or more cores). Only on the CPU engine.
 Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets the thread count
     once per process).
 """
@@ -67,7 +68,7 @@ def _policy(worker):
         pol = ThreadPolicy(cost)
         worker._kda_thread_policy = pol
         logger.info(
-            "sglang_kda: forward steps under %.3g GFLOP run on 1 thread, others on %d "
+            "sglang_kda: forward steps under %.3g dense GFLOP run on 1 thread, others on %d "
             "(%.3g MFLOP per token, %.3g kFLOP per attention pair)",
             pol.threshold,
             pol.max_threads,

@@ -9,9 +9,13 @@ threads, far more than the arithmetic. Measured on the 2-core box (``kda_extend_
 descheduled thread); py-spy ``--native`` on a scheduler at chunk 64 put most of the main
 thread's samples in libgomp's barrier under ``F.linear`` and the KDA kernel's small matmuls.
 
-The rule: a step whose estimated arithmetic (dense layers + attention over the cached context)
-is under ``SGLANG_KDA_PARALLEL_MIN_GFLOP`` (default 2 GFLOP) runs on one thread; a larger
-one runs on every thread the process was given (``torch.get_num_threads()`` at first use).
+The rule: a step whose dense arithmetic (2 x parameters x new tokens) is under
+``SGLANG_KDA_PARALLEL_MIN_GFLOP`` (default 2 GFLOP) runs on one thread; a larger one runs on
+every thread the process was given (``torch.get_num_threads()`` at first use). Attention over
+the cached context is deliberately not counted: a 64-token slice deep into a long prompt has one
+large attention operator but still hundreds of tiny ones, and running the whole step on two
+threads made it worse, not better (64k-token prompt at chunk 64, threshold on total FLOPs: rounds
+past 24k of context went from ~45 ms on one thread to ~270 ms on two while other processes ran).
 Nothing here touches SGLang; ``patches/tp_worker.py`` wires it around each forward.
 """
 
@@ -52,7 +56,12 @@ class ModelCost:
     dense_flops_per_token: float
     attn_flops_per_pair: float  # 2 * heads * (qk_dim + v_dim) * attention layers
 
+    def dense_flops(self, shape: StepShape) -> float:
+        """The step's per-token (dense layer) arithmetic: what the thread rule looks at."""
+        return sum(int(n) for n in shape.extend_lens) * self.dense_flops_per_token
+
     def step_flops(self, shape: StepShape) -> float:
+        """Dense + attention arithmetic of the step (reported, not used by the rule)."""
         tokens = sum(int(n) for n in shape.extend_lens)
         pairs = sum(
             int(n) * int(p) + int(n) * (int(n) + 1) / 2
@@ -105,7 +114,7 @@ class ThreadPolicy:
     def choose(self, shape: Optional[StepShape]) -> int:
         if shape is None:
             return self.max_threads
-        return threads_for(self.cost.step_flops(shape), self.max_threads, self.threshold)
+        return threads_for(self.cost.dense_flops(shape), self.max_threads, self.threshold)
 
     @contextlib.contextmanager
     def step(self, shape: Optional[StepShape]) -> Iterator[int]:

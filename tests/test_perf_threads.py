@@ -56,15 +56,16 @@ def test_threshold_from_environment():
 
 
 def test_tiny_model_slices_pick_threads():
-    """The tiny model at chunk 64 stays on one thread for short contexts; a 4096-token slice
-    (or a 64-token slice deep into a 64k prompt) gets every thread."""
+    """The tiny model at chunk 64 stays on one thread at any context (its attention is not
+    counted); a 4096-token slice gets every thread."""
     cost = model_cost_from_config(TINY, n_params=1_300_000)
     pol = ThreadPolicy(cost, threshold_gflop=2.0)
     pol.max_threads = 2
     assert pol.choose(StepShape([64], [0])) == 1
     assert pol.choose(StepShape([64], [6080])) == 1
     assert pol.choose(StepShape([4096], [0])) == 2
-    assert pol.choose(StepShape([64], [65000])) == 2
+    assert pol.choose(StepShape([64], [65000])) == 1
+    assert pol.choose(StepShape([1] * 32, [65000] * 32)) == 1  # a decode batch
     assert pol.choose(None) == 2  # unknown shape: upstream's threading
 
 
