@@ -258,3 +258,93 @@ def test_cli(tmp_path, capsys):
     assert main([str(p), "--policy", "stock,kda", "--chunk", "4096"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert len(lines) == 2 and '"unfinished": 0' in lines[0]
+
+
+def test_waiting_twin_does_not_end_the_rounds_admissions():
+    """As the server's add_one_req (CONTINUE): a follower waiting for its leader's checkpoints
+    is skipped, an unrelated request behind it is admitted in the same round, and the follower
+    keeps its place at the head of the queue."""
+    tr = T.Trace(
+        [
+            T.TraceRequest("lead", 2, t=0.0, segments=(("doc", 900), ("q0", 40))),
+            T.TraceRequest("twin", 2, t=0.0, segments=(("doc", 900), ("q1", 40))),
+            T.TraceRequest("other", 2, t=0.0, segments=(("x", 300),)),
+        ]
+    )
+    res = run(tr, policy="kda", chunked_prefill_size=4096)
+    check_invariants(res, tr)
+    rounds = res.ranks[0].rounds
+    assert [rid for rid, _, _ in rounds[0].slices] == ["lead", "other"]
+    assert [rid for rid, _, _ in rounds[1].slices] == ["twin"]
+    assert res.ranks[0].twin_waits == 1 and res.ranks[0].admitted_past_waiting_twin == 1
+    twin = {r.rid: r for r in res.requests}["twin"]
+    assert twin.computed <= 40 + 64  # resumed from the leader's checkpoints
+    s = summarize(res)
+    assert s["admitted_past_waiting_twin"] == 1
+
+
+def test_eviction_config_parses_like_the_server_flag():
+    assert SimConfig().alpha == 1.0  # marconi by default, as --kda-eviction
+    assert SimConfig(eviction="lru").alpha is None
+    assert SimConfig(eviction="0.25").alpha == 0.25
+    with pytest.raises(ValueError):
+        SimConfig(eviction="fifo")
+
+
+def test_tree_evicts_by_the_rule_not_lru():
+    """Cap 2, three states: LRU drops the oldest (a deep one saving 8 grid steps); the rule
+    (recency + serial work saved per byte) drops the newer one that saves a single step."""
+    from sglang_kda.cache.tree import RadixTree
+
+    def fill(alpha):
+        t = RadixTree(max_checkpoints=2, alpha=alpha)
+        t.insert([1] * 1000, [512])
+        t.insert([2] * 100, [64])
+        t.insert([3] * 100, [64])
+        t.integrity()
+        return [bool(t.checkpoint_positions(p)) for p in ([1] * 1000, [2] * 100, [3] * 100)]
+
+    assert fill(None) == [False, True, True]
+    assert fill(1.0) == [True, False, True]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "marconi", "0.5"])
+def test_eviction_rules_keep_invariants_and_determinism(eviction):
+    tr = T.shared_prefix(groups=3, per_group=3, prefix=700)
+    a = run(tr, policy="kda", max_checkpoints=5, eviction=eviction)
+    b = run(T.shared_prefix(groups=3, per_group=3, prefix=700), policy="kda",
+            max_checkpoints=5, eviction=eviction)  # fmt: skip
+    check_invariants(a, tr)
+    assert fingerprint(a) == fingerprint(b)
+    assert all(rk.tree.n_checkpoints <= 5 for rk in a.ranks)
+
+
+def test_the_simulator_runs_the_eviction_module(monkeypatch):
+    """The tree calls sglang_kda.cache.eviction.pick_victims through the module: swapping the
+    rule changes simulated results; lru never calls it."""
+    from sglang_kda.cache import eviction
+
+    tr = T.shared_prefix(groups=3, per_group=3, prefix=700)
+    calls = []
+    orig = eviction.pick_victims
+
+    def spy(cands, n, alpha, *a, **k):
+        calls.append((len(cands), n, alpha))
+        return orig(cands, n, alpha, *a, **k)
+
+    monkeypatch.setattr(eviction, "pick_victims", spy)
+    base = summarize(run(tr, policy="kda", max_checkpoints=5))
+    assert calls and all(alpha == 1.0 for _, _, alpha in calls)
+    calls.clear()
+    lru = summarize(run(tr, policy="kda", max_checkpoints=5, eviction="lru"))
+    assert not calls
+
+    def newest_first(cands, n, alpha, *a, **k):  # a deliberately bad rule
+        return [c.node_id for c in sorted(cands, key=lambda c: -c.last_access)][:n]
+
+    monkeypatch.setattr(eviction, "pick_victims", newest_first)
+    swapped = summarize(run(tr, policy="kda", max_checkpoints=5))
+    assert swapped["prefill_tokens"] != base["prefill_tokens"] or (
+        swapped["cached_tokens"] != base["cached_tokens"]
+    )
+    assert lru["finished"] == base["finished"] == swapped["finished"]

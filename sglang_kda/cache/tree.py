@@ -20,11 +20,17 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
   protects the KV of the whole path root -> node (a node with a lock at or below it is never a
   leaf to evict) and the checkpoint of the node itself (SGLang locks the FULL component along
   the path, the MAMBA component on the node only).
-* Eviction (:meth:`evict`): least recently used first (ties: deepest first, as leaves go
-  before their ancestors); checkpoint pressure drops checkpoints
-  only (never KV), KV pressure drops unlocked leaves (with their checkpoints). ``max_checkpoints``
-  caps the checkpoints held (``--kda-checkpoint-pool-size``): an insert past the cap evicts LRU
-  checkpoints; ``max_tokens`` caps the KV tokens held.
+* Eviction (:meth:`evict`): checkpoint pressure drops checkpoints only (never KV), KV pressure
+  drops unlocked leaves (with their checkpoints), least recently used first (ties: deepest
+  first, as leaves go before their ancestors). Which *checkpoints* go is the server's rule,
+  ``--kda-eviction`` (``alpha``): ``None`` is SGLang's LRU as above; a number calls
+  :func:`sglang_kda.cache.eviction.pick_victims` (recency + ``alpha`` x serial work saved per
+  byte, one victim at a time with rescoring) through the module object, on the unlocked
+  checkpoints, each with its nearest checkpointed ancestor (locked or not) and the tick of its
+  last insert or hit (:attr:`Node.state_access`, what the server's ``StateBook`` records).
+  ``max_checkpoints`` caps the checkpoints held (``--kda-checkpoint-pool-size``): an insert past
+  the cap evicts (``insert(..., enforce=False)`` defers it to :meth:`enforce_caps`, as the
+  server sheds states once after a prefill step); ``max_tokens`` caps the KV tokens held.
 * :meth:`integrity`: walks the tree; see its docstring.
 
 Recency is a logical clock (one tick per operation), so runs are deterministic.
@@ -35,6 +41,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
+
+# Called through the module object: a test that swaps the rule sees the change.
+from sglang_kda.cache import eviction as eviction_mod
 
 
 class TreeIntegrityError(AssertionError):
@@ -51,6 +60,7 @@ class Node:
     lock_own: int = 0  # locks taken on this very node (a lock protects the path above it too)
     last_access: int = 0
     serial: int = 0  # creation order: a deterministic tie-break
+    state_access: int = 0  # tick of the checkpoint's last insert or hit (the eviction rule's)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -83,9 +93,23 @@ class RadixTree:
 
     max_checkpoints: cap on checkpoints held (``None``: unbounded).
     max_tokens: cap on KV tokens held (``None``: unbounded).
+    alpha: which checkpoints go under checkpoint pressure: ``None`` LRU, else the weight of
+        serial work saved per byte in :func:`sglang_kda.cache.eviction.pick_victims`
+        (``eviction.parse_eviction`` of ``--kda-eviction``).
+    state_nbytes / kda_layers: one state's bytes and the model's KDA layers (the rule's value
+        per byte; a constant for one model, so only their ratio to other candidates matters).
     """
 
-    def __init__(self, max_checkpoints: int | None = None, max_tokens: int | None = None):
+    def __init__(
+        self,
+        max_checkpoints: int | None = None,
+        max_tokens: int | None = None,
+        alpha: float | None = None,
+        state_nbytes: int = 1,
+        kda_layers: int = 1,
+    ):
+        if alpha is not None and not alpha >= 0:
+            raise ValueError("alpha must be None (LRU) or >= 0")
         if max_checkpoints is not None and max_checkpoints < 0:
             raise ValueError("max_checkpoints must be >= 0")
         if max_tokens is not None and max_tokens < 0:
@@ -93,6 +117,9 @@ class RadixTree:
         self.root = Node()
         self.max_checkpoints = max_checkpoints
         self.max_tokens = max_tokens
+        self.alpha = alpha
+        self.state_nbytes = state_nbytes
+        self.kda_layers = kda_layers
         self.n_checkpoints = 0
         self.n_tokens = 0
         self.clock = 0
@@ -190,7 +217,10 @@ class RadixTree:
             node, pos = child, pos + n
             if node.checkpoint and node.depth <= limit:
                 best = node
-        self._touch(best, self._tick())
+        t = self._tick()
+        self._touch(best, t)
+        if best.checkpoint:  # a hit: the state's recency for the eviction rule
+            best.state_access = t
         return Match(best, best.depth, kv)
 
     def path_ids(self, node: Node) -> tuple:
@@ -230,6 +260,7 @@ class RadixTree:
         checkpoints: Iterable[int] = (),
         start: Node | None = None,
         end: int | None = None,
+        enforce: bool = True,
     ) -> int:
         """Cache the KV of ``ids`` and checkpoints at the given positions (``0 < p <= len``).
 
@@ -237,6 +268,7 @@ class RadixTree:
         inserted is the most recent, evicted only when nothing older can go). ``start``: a node
         known to lie on ``ids``' path; the walk begins there (marks above it are ignored).
         ``end``: insert ``ids[:end]`` (without copying a long prompt each round).
+        ``enforce``: False leaves the caps to a later :meth:`enforce_caps`.
         """
         ids = tuple(ids)
         n_ids = len(ids) if end is None else min(end, len(ids))
@@ -266,13 +298,16 @@ class RadixTree:
                     child = self._split(child, n)
             child.last_access = t
             node, pos = child, child.depth
-            if mi < len(marks) and marks[mi] == pos and not node.checkpoint:
-                node.checkpoint = True
-                self.n_checkpoints += 1
-                new += 1
+            if mi < len(marks) and marks[mi] == pos:
+                node.state_access = t
+                if not node.checkpoint:
+                    node.checkpoint = True
+                    self.n_checkpoints += 1
+                    new += 1
         self._touch(node, t)
         self.stats.checkpoints_inserted += new
-        self._enforce_caps()  # LRU: what was just inserted goes last
+        if enforce:
+            self.enforce_caps()  # LRU: what was just inserted goes last
         return new
 
     def lock(self, node: Node) -> Node:
@@ -284,14 +319,16 @@ class RadixTree:
             raise TreeIntegrityError("unlock of a node that is not locked")
         node.lock_own -= 1
 
-    def _enforce_caps(self) -> None:
+    def enforce_caps(self) -> None:
+        """Evict down to the caps (checkpoints by the tree's rule, KV by LRU)."""
         if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
             self.evict(checkpoints=self.n_checkpoints - self.max_checkpoints)
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
             self.evict(tokens=self.n_tokens - self.max_tokens)
 
     def evict(self, checkpoints: int = 0, tokens: int = 0) -> tuple[int, int]:
-        """Evict at least ``checkpoints`` checkpoints and ``tokens`` KV tokens, LRU first.
+        """Evict at least ``checkpoints`` checkpoints (by the tree's rule: LRU, or
+        ``eviction.pick_victims`` with ``alpha``) and ``tokens`` KV tokens (LRU).
 
         Checkpoint pressure evicts checkpoints only (their KV stays, for other requests' KV
         matches); KV pressure evicts least recently used unlocked leaves, each taking its
@@ -303,7 +340,9 @@ class RadixTree:
         if checkpoints <= 0 and tokens <= 0:
             return 0, 0
         order, recency, locked = self._walk()
-        if checkpoints > 0:
+        if checkpoints > 0 and self.alpha is not None:
+            done_c = self._evict_by_rule(checkpoints)
+        elif checkpoints > 0:
             cands = [
                 (recency[id(n)], -n.depth, n.serial, n)
                 for n in order
@@ -340,6 +379,36 @@ class RadixTree:
         self.stats.checkpoints_evicted += done_c
         self.stats.tokens_evicted += done_t
         return done_c, done_t
+
+    def _evict_by_rule(self, n: int) -> int:
+        """Drop up to ``n`` unlocked checkpoints chosen by ``eviction.pick_victims``."""
+        cands, by_id = [], {}
+        stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
+        while stack:
+            node, anc = stack.pop()
+            if node.checkpoint:
+                if node.lock_own == 0:
+                    cands.append(
+                        eviction_mod.Candidate(
+                            node_id=node.serial,
+                            depth=node.depth,
+                            ancestor_depth=anc.depth if anc is not None else 0,
+                            last_access=node.state_access,
+                            nbytes=self.state_nbytes,
+                            kda_layers=self.kda_layers,
+                            ancestor_id=anc.serial if anc is not None else None,
+                        )
+                    )
+                    by_id[node.serial] = node
+                anc = node
+            # insertion order (deterministic): the candidates' order for exact ties
+            stack.extend((c, anc) for c in reversed(list(node.children.values())))
+        victims = eviction_mod.pick_victims(cands, n, self.alpha)
+        for nid in victims:
+            node = by_id[nid]
+            node.checkpoint = False
+            self.n_checkpoints -= 1
+        return len(victims)
 
     def reset(self) -> None:
         """Drop everything (``/flush_cache``); refused while locks are held."""

@@ -5,20 +5,26 @@ model, :mod:`sglang_kda.sim.costs`) and the clock:
 
 * cuts: :func:`sglang_kda.policy.grid.aligned_chunk_len` (``kda``) or SGLang's page-aligned
   truncation (``stock``);
-* twins: :func:`sglang_kda.policy.admission.twin_gain` (``kda``, ``twins=True``);
+* twins: :func:`sglang_kda.policy.admission.twin_gain` (``kda``, ``twins=True``); a follower
+  that waits is skipped and the round goes on admitting the requests behind it (the server's
+  ``add_one_req`` returns ``CONTINUE`` for it, consuming no budget; it stays in the queue);
 * the cache: :class:`sglang_kda.cache.tree.RadixTree` (match = deepest checkpoint at most
-  ``len - 1`` deep, locks, LRU eviction, checkpoint cap);
+  ``len - 1`` deep, locks, checkpoint cap); which checkpoints go is the server's
+  ``--kda-eviction`` rule (:mod:`sglang_kda.cache.eviction`, ``SimConfig.eviction``), applied
+  where the server applies it: once after a prefill step's inserts and after each finished
+  request's insert (KV pressure: LRU leaves);
 * the serial-aware budget and deadlines: :func:`sglang_kda.policy.budget.plan_round` and
   :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set).
 
 A round (:meth:`Rank.step`) is built as SGLang's ``get_new_batch_prefill`` builds it (non-overlap
-scheduler): the in-flight chunked request first (``kda``: it first re-matches the tree and jumps
-to a deeper checkpoint cached meanwhile), then waiting requests in arrival order (FCFS) while the
-round's chunk budget (``chunked_prefill_size``), input budget (``max_prefill_tokens``) and
-``max_running_requests`` allow; the request that does not fit is cut and becomes the round's one
-unfinished chunked request, and the round admits nothing more. A round with prefill runs prefill
-only (decode waits), unless ``enable_mixed_chunk`` (stock) or the budget's plan mixes decode in;
-a round without prefill is one decode step of every running request. After a round:
+scheduler): the in-flight chunked request first (``kda``: it first re-matches the tree and jumps to
+a deeper checkpoint cached meanwhile), then waiting requests in arrival order (FCFS; a waiting twin
+is skipped) while the round's chunk budget (``chunked_prefill_size``), input budget
+(``max_prefill_tokens``) and ``max_running_requests`` allow; the request that does not fit is cut
+and becomes the round's one unfinished chunked request, and the round admits nothing more. A round
+with prefill runs prefill only (decode waits), unless ``enable_mixed_chunk`` (stock) or the budget's
+plan mixes decode in; a round without prefill is one decode step of every running request. After a
+round:
 
 * ``kda``: checkpoints at every grid point (``checkpoint_every``) inside each computed slice,
   plus the chunk end of a request that goes on (SGLang's chunk-end stash);
@@ -43,6 +49,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from sglang_kda.cache import eviction as eviction_mod
 from sglang_kda.cache.tree import RadixTree
 
 # Policy modules are called through their module objects, so the simulator always runs what
@@ -77,6 +84,9 @@ class SimConfig:
     enable_mixed_chunk: stock: decode rides along every prefill round (``--enable-mixed-chunk``).
     budget: ``kda`` serial-aware budget (``None``: token budget as above).
     max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
+    eviction: which checkpoints the cap sheds (``--kda-eviction``, parsed by
+        :func:`sglang_kda.cache.eviction.parse_eviction`): ``marconi`` (recency + serial work
+        saved per byte, alpha 1), ``lru`` or a number alpha >= 0.
     ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
         tokenizer); counted in its TTFT.
     finished_state: where the state a finished request leaves in the tree sits: ``prompt``
@@ -103,6 +113,7 @@ class SimConfig:
     ingress_s: float = 0.0
     integrity: bool = False
     finished_state: str = "prompt"
+    eviction: object = "marconi"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,6 +125,7 @@ class SimConfig:
             self.aligned_cuts = self.policy == "kda"
         if self.finished_state not in ("prompt", "end"):
             raise ValueError("finished_state must be 'prompt' or 'end'")
+        self.alpha = eviction_mod.parse_eviction(self.eviction)
 
     @property
     def kda(self) -> bool:
@@ -176,7 +188,7 @@ class Rank:
         self.cfg = cfg
         self.cost = cost
         self.id = rank_id
-        self.tree = RadixTree(cfg.max_checkpoints, cfg.max_tokens)
+        self.tree = RadixTree(cfg.max_checkpoints, cfg.max_tokens, alpha=cfg.alpha)
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []  # decoding
         self.chunked: Optional[SimReq] = None
@@ -186,6 +198,7 @@ class Rank:
         self.book = budget_mod.DeadlineBook(cfg.budget) if cfg.kda and cfg.budget else None
         self.infeasible: list[str] = []
         self.twin_waits = 0
+        self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
 
@@ -284,6 +297,7 @@ class Rank:
                 closed = True
         leaders: list[Leader] = [Leader(r.ids, s, e) for r, s, e in slices]
         admitted: list[SimReq] = []
+        skipped: list[SimReq] = []  # twins waiting for a leader: they stay in the queue
         while self.waiting and not closed:
             if rem_chunk <= 0 or n_run >= cfg.max_running_requests:
                 break
@@ -291,12 +305,16 @@ class Rank:
             m = self.tree.match(r.ids, self._limit(r))
             if cfg.kda and cfg.twins and leaders:
                 if admission_mod.twin_gain(r.ids, m.length, self._limit(r), leaders, cfg.grid):
+                    # The server's add_one_req returns CONTINUE: no budget spent, next request.
                     self.twin_waits += 1
-                    break
+                    skipped.append(self.waiting.pop(0))
+                    continue
             extend = len(r.ids) - m.length
             if extend > rem_input and slices:
                 break
             self.waiting.pop(0)
+            if skipped:
+                self.admitted_past_waiting_twin += 1
             admitted.append(r)
             r.prefix = m.length
             r.cached_admission = m.length
@@ -311,6 +329,7 @@ class Rank:
             n_run += 1
             if take < extend:
                 closed = True
+        self.waiting[:0] = skipped  # the skipped twins keep their places at the queue's head
 
         if not slices and not self.running:
             return 0.0
@@ -351,8 +370,8 @@ class Rank:
                 marks.append(e)  # SGLang's chunk-end stash
             if cfg.page_size > 1:  # the tree is paged: a state off a page boundary has no node
                 marks = [p for p in marks if p % cfg.page_size == 0]
-            if marks:
-                self.tree.insert(r.ids, marks, start=r.node, end=e)
+            if marks:  # the cap is enforced once the whole step is in (below)
+                self.tree.insert(r.ids, marks, start=r.node, end=e, enforce=False)
             if unfinished:
                 node = self.tree.match(r.ids, e, start=r.node).node
                 if node.depth == e:
@@ -362,6 +381,11 @@ class Rank:
                 if self.book is not None:
                     self.book.finish(r.rid, end)
                 r.state = "decode"
+        # The server sheds tree states past the cap after a prefill step's inserts, then
+        # inserts finished requests (each insert enforcing the cap again).
+        self.tree.enforce_caps()
+        for r, _, _ in slices:
+            if r.state == "decode":
                 self._emit(r, end)
         for r in dec:
             self._emit(r, end)
@@ -389,10 +413,11 @@ class Rank:
         path = r.ids + outs
         at = len(r.ids) if self.cfg.finished_state == "prompt" else len(path)
         marks = [at] if at % self.cfg.page_size == 0 else []
-        self.tree.insert(path, marks, start=r.node)
+        self.tree.insert(path, marks, start=r.node, enforce=False)
         if r.node is not None:
             self.tree.unlock(r.node)
             r.node = None
+        self.tree.enforce_caps()  # after the insert, its lock released
         self.on_finish(r)
 
     def _held_locks(self) -> int:

@@ -48,6 +48,9 @@ def summarize(result, select=None) -> dict:
     )
     out["duration_s"] = result.end_time
     out["twin_waits"] = sum(rk.twin_waits for rk in result.ranks)
+    out["admitted_past_waiting_twin"] = sum(
+        getattr(rk, "admitted_past_waiting_twin", 0) for rk in result.ranks
+    )
     out["rounds"] = sum(rk.n_rounds for rk in result.ranks)
     out["checkpoints_held"] = sum(rk.tree.n_checkpoints for rk in result.ranks)
     out["checkpoints_evicted"] = sum(rk.tree.stats.checkpoints_evicted for rk in result.ranks)
