@@ -287,6 +287,7 @@ def test_eviction_config_parses_like_the_server_flag():
     assert SimConfig().alpha == 1.0  # marconi by default, as --kda-eviction
     assert SimConfig(eviction="lru").alpha is None
     assert SimConfig(eviction="0.25").alpha == 0.25
+    assert SimConfig(policy="stock").alpha is None  # stock: SGLang's LRU
     with pytest.raises(ValueError):
         SimConfig(eviction="fifo")
 

@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost", default="cpu", help="cpu, cpu:FILE, h200-tp1/2/4/8")
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--max-checkpoints", type=int, default=None)
+    ap.add_argument(
+        "--eviction", default="marconi", help="--kda-eviction: marconi, lru or alpha >= 0"
+    )
     args = ap.parse_args(argv)
     if bool(args.trace) == bool(args.generate):
         ap.error("give a trace file or --generate")
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size,
             checkpoint_every=args.checkpoint_every,
             max_checkpoints=args.max_checkpoints,
+            eviction=args.eviction,
         )
         res = simulate(tr, cfg, cost, dp=args.dp, router=args.router)
         out = {"policy": policy, **summarize(res), "unfinished": len(res.unfinished)}

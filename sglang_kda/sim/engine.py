@@ -86,7 +86,8 @@ class SimConfig:
     max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
     eviction: which checkpoints the cap sheds (``--kda-eviction``, parsed by
         :func:`sglang_kda.cache.eviction.parse_eviction`): ``marconi`` (recency + serial work
-        saved per byte, alpha 1), ``lru`` or a number alpha >= 0.
+        saved per byte, alpha 1), ``lru`` or a number alpha >= 0. ``kda`` only: ``stock`` is
+        SGLang's LRU whatever this says.
     ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
         tokenizer); counted in its TTFT.
     finished_state: where the state a finished request leaves in the tree sits: ``prompt``
@@ -125,7 +126,10 @@ class SimConfig:
             self.aligned_cuts = self.policy == "kda"
         if self.finished_state not in ("prompt", "end"):
             raise ValueError("finished_state must be 'prompt' or 'end'")
-        self.alpha = eviction_mod.parse_eviction(self.eviction)
+        # The rule is the kda policy's (the server patches it in with --kda-policy kda only);
+        # stock keeps SGLang's LRU.
+        alpha = eviction_mod.parse_eviction(self.eviction)
+        self.alpha = alpha if self.policy == "kda" else None
 
     @property
     def kda(self) -> bool:
