@@ -350,52 +350,60 @@ def exp_agents(args) -> None:
     )
     tr.vocab = (0, 160000)
     rows = []
-    for policy in ("stock", "kda"):
-        for router in ("round_robin", "prefix"):
-            cfg = SimConfig(
-                policy=policy,
-                chunked_prefill_size=16384,
-                page_size=PAGE,
-                checkpoint_every=args.agent_every if policy == "kda" else 0,
-                max_checkpoints=plan["checkpoints"],
-                max_tokens=plan["kv_tokens"],
-                max_running_requests=256,
-            )
-            t0 = time.monotonic()
-            res = simulate(tr, cfg, model, dp=8, router=router)
-            s = summarize(res)
-            row = {
-                "policy": policy,
-                "router": router,
-                "dp": 8,
-                "tp": 1,
-                "checkpoint_pool": plan["checkpoints"],
-                "kv_tokens": plan["kv_tokens"],
-                **{
-                    k: s[k]
-                    for k in (
-                        "requests",
-                        "finished",
-                        "prompt_tokens",
-                        "prefill_tokens",
-                        "cached_tokens",
-                        "ttft_p50_ms",
-                        "ttft_p99_ms",
-                        "itl_p50_ms",
-                        "itl_p99_ms",
-                        "duration_s",
-                        "twin_waits",
-                        "checkpoints_evicted",
-                    )
-                },
-            }
-            rows.append(row)
-            print(
-                f"[agents] {policy}/{router}: prefill {s['prefill_tokens']} of "
-                f"{s['prompt_tokens']}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 "
-                f"{s['ttft_p99_ms']:.0f} ms ({time.monotonic() - t0:.1f}s)",
-                flush=True,
-            )
+    # stock sheds states by SGLang's LRU; kda by --kda-eviction (lru or the marconi rule)
+    variants = [
+        (policy, router, eviction)
+        for policy, evictions in (("stock", ("lru",)), ("kda", ("lru", "marconi")))
+        for router in ("round_robin", "prefix")
+        for eviction in evictions
+    ]
+    for policy, router, eviction in variants:
+        cfg = SimConfig(
+            policy=policy,
+            eviction=eviction,
+            chunked_prefill_size=16384,
+            page_size=PAGE,
+            checkpoint_every=args.agent_every if policy == "kda" else 0,
+            max_checkpoints=plan["checkpoints"],
+            max_tokens=plan["kv_tokens"],
+            max_running_requests=256,
+        )
+        t0 = time.monotonic()
+        res = simulate(tr, cfg, model, dp=8, router=router)
+        s = summarize(res)
+        row = {
+            "policy": policy,
+            "router": router,
+            "eviction": eviction,
+            "dp": 8,
+            "tp": 1,
+            "checkpoint_pool": plan["checkpoints"],
+            "kv_tokens": plan["kv_tokens"],
+            **{
+                k: s[k]
+                for k in (
+                    "requests",
+                    "finished",
+                    "prompt_tokens",
+                    "prefill_tokens",
+                    "cached_tokens",
+                    "ttft_p50_ms",
+                    "ttft_p99_ms",
+                    "itl_p50_ms",
+                    "itl_p99_ms",
+                    "duration_s",
+                    "twin_waits",
+                    "checkpoints_evicted",
+                )
+            },
+        }
+        rows.append(row)
+        print(
+            f"[agents] {policy}/{router}/{eviction}: prefill {s['prefill_tokens']} of "
+            f"{s['prompt_tokens']}, TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 "
+            f"{s['ttft_p99_ms']:.0f} ms ({time.monotonic() - t0:.1f}s)",
+            flush=True,
+        )
     write_csv("agents_dp8", rows)
     import matplotlib
 
@@ -403,7 +411,7 @@ def exp_agents(args) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    labels = [f"{r['policy']}\n{r['router']}" for r in rows]
+    labels = [f"{r['policy']}\n{r['router']}\n{r['eviction']}" for r in rows]
     colors = ["tab:gray" if r["policy"] == "stock" else "tab:blue" for r in rows]
     for ax, key, title in (
         (axes[0], "prefill_tokens", "prefill tokens computed"),
