@@ -1,0 +1,61 @@
+"""The round's grid checkpoints cost one eviction walk per step, not one per checkpoint
+(sglang_kda/perf_checkpoint_slots.py). Counts calls; no timing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang_kda.cache.capture import ForwardCapture
+from sglang_kda.perf_checkpoint_slots import count_new_checkpoints, reserve_checkpoint_slots
+
+
+def _req(n_tokens, protected=0, finished=False):
+    return SimpleNamespace(
+        finished=lambda: finished,
+        skip_radix_cache_insert=False,
+        output_ids=[],
+        full_untruncated_fill_ids=list(range(n_tokens)),
+        kv=SimpleNamespace(req_pool_idx=0, cache_protected_len=protected),
+    )
+
+
+def _tree(free):
+    alloc = SimpleNamespace(available_size=lambda: free)
+    return SimpleNamespace(disable=False, req_to_token_pool=SimpleNamespace(mamba_allocator=alloc))
+
+
+def _cap(prefix, extend, every=64):
+    cap = ForwardCapture.open([prefix], [extend], every)
+    cap.layers = {1: object()}  # a captured layer (contents unused here)
+    return cap
+
+
+def test_counts_what_insert_checkpoints_inserts():
+    # a 4096-token slice at 8192 of a 65,536-token prompt: 64 grid points, the slice end
+    # (12288) is left to SGLang's chunk-end stash
+    assert count_new_checkpoints(_tree(0), [_req(65536, 8192)], _cap(8192, 4096), 64) == 63
+    # the last slice of a prompt: its end is inserted too
+    assert count_new_checkpoints(_tree(0), [_req(12288, 8192)], _cap(8192, 4096), 64) == 64
+    # positions inside the protected prefix are skipped
+    assert count_new_checkpoints(_tree(0), [_req(65536, 9000)], _cap(8192, 4096), 64) == 51  # 9024 .. 12224
+    assert count_new_checkpoints(_tree(0), [_req(65536, finished=True)], _cap(0, 4096), 64) == 0
+    assert count_new_checkpoints(_tree(0), [_req(100), _req(100)], _cap(0, 64), 64) == 0
+
+
+def test_one_eviction_call_for_the_whole_step(monkeypatch):
+    from sglang_kda.cache import checkpoints
+
+    calls = []
+
+    def fake_evict(tree, n, alpha):
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(checkpoints, "evict_states", fake_evict)
+    reqs, cap = [_req(65536, 8192)], _cap(8192, 4096)
+    assert reserve_checkpoint_slots(_tree(10), reqs, cap, 64, 1.0) == 53
+    assert calls == [53]  # one walk for 63 checkpoints with 10 free slots
+    calls.clear()
+    assert reserve_checkpoint_slots(_tree(100), reqs, cap, 64, 1.0) == 0
+    assert reserve_checkpoint_slots(_tree(0), reqs, cap, 64, None) == 0  # LRU: unchanged
+    assert calls == []
