@@ -130,3 +130,62 @@ class ThreadPolicy:
             yield n
         finally:
             torch.set_num_threads(self.max_threads)
+
+
+HEAVY_THREADS_ENV = "SGLANG_KDA_HEAVY_OP_THREADS"
+HEAVY_MIN_MFLOP_ENV = "SGLANG_KDA_HEAVY_OP_MIN_MFLOP"
+DEFAULT_HEAVY_MIN_MFLOP = 50.0
+
+
+def heavy_op_threads(environ=None) -> int:
+    """Threads for one large operator: ``SGLANG_KDA_HEAVY_OP_THREADS``, else every usable core."""
+    environ = os.environ if environ is None else environ
+    try:
+        n = int(environ.get(HEAVY_THREADS_ENV, "0"))
+    except ValueError:
+        n = 0
+    if n > 0:
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def heavy_min_flops(environ=None) -> float:
+    environ = os.environ if environ is None else environ
+    try:
+        v = float(environ.get(HEAVY_MIN_MFLOP_ENV, DEFAULT_HEAVY_MIN_MFLOP))
+    except ValueError:
+        v = DEFAULT_HEAVY_MIN_MFLOP
+    return (v if v >= 0 and v == v else DEFAULT_HEAVY_MIN_MFLOP) * 1e6
+
+
+_HEAVY = {"threads": None, "min_flops": None}
+
+
+@contextlib.contextmanager
+def heavy_op(flops: float) -> Iterator[int]:
+    """Run one large operator (``flops`` of arithmetic) on every usable core.
+
+    The per-step rule keeps token-light steps on one thread because most of their operators are
+    tiny; the one operator that grows with the context (attention of a slice over a long cached
+    prefix: tens of milliseconds per key block) is where more threads pay, since its single
+    parallel region amortizes the wake-up and the barrier. Below
+    ``SGLANG_KDA_HEAVY_OP_MIN_MFLOP`` (default 50) nothing changes."""
+    import torch
+
+    if _HEAVY["threads"] is None:
+        _HEAVY["threads"] = heavy_op_threads()
+        _HEAVY["min_flops"] = heavy_min_flops()
+    want = _HEAVY["threads"]
+    have = torch.get_num_threads()
+    if flops < _HEAVY["min_flops"] or want <= have:
+        yield have
+        return
+    torch.set_num_threads(want)
+    try:
+        yield want
+    finally:
+        torch.set_num_threads(have)
+
