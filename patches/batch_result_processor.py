@@ -6,7 +6,8 @@ Why: the grid checkpoints captured during the forward must enter the radix tree 
     request of the batch still holds its KV row and lock; the cache's counters and the optional
     integrity check also belong right after a prefill step.
 How: before upstream runs, takes the capture (``patches.kda_backend.take_capture``) and hands it
-    to :func:`sglang_kda.cache.checkpoints.insert_checkpoints` with the batch's requests; counts
+    to :func:`sglang_kda.cache.checkpoints.insert_checkpoints` with the batch's requests (which
+    frees the slots the step's checkpoints need in one ``--kda-eviction`` walk); counts
     the prefill tokens computed; sheds tree states past ``--kda-checkpoint-pool-size`` by the
     ``--kda-eviction`` rule; refreshes the held-checkpoint gauges (from the tree core's state
     counters, no tree walk); with
@@ -57,7 +58,7 @@ def apply(ctx) -> None:
         STATS.add("prefill_tokens_computed", int(sum(batch.extend_lens or [])))
         if cap is not None and self.tree_cache.supports_mamba():
             every = ctx.config.checkpoint_every_tokens(self.tree_cache.page_size)
-            checkpoints.insert_checkpoints(self.tree_cache, batch.reqs, cap, every)
+            checkpoints.insert_checkpoints(self.tree_cache, batch.reqs, cap, every, alpha)
             nbytes = checkpoint_nbytes(self.tree_cache)
             _log_pool_once(self.tree_cache, nbytes, ctx.config.checkpoint_pool_size)
             held = checkpoints.enforce_pool_size(

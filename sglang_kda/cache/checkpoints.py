@@ -54,21 +54,17 @@ def _mamba_type():
     return ComponentType.MAMBA
 
 
-def insert_checkpoints(tree_cache, reqs: list, cap: ForwardCapture, every: int) -> int:
-    """Insert ``cap``'s checkpoints of ``reqs`` (the batch, in forward order) into the tree.
+def planned_checkpoints(
+    reqs: list, cap: ForwardCapture, every: int
+) -> list[tuple[int, object, int]]:
+    """``(batch row, request, position)`` of every checkpoint of ``cap`` that
+    :func:`insert_checkpoints` offers the tree, in order.
 
-    Skipped: finished or cache-barred requests, positions already covered by the request's
-    protected prefix, decode rows of a mixed batch, and the slice end of a request whose prefill
-    goes on (SGLang's own chunk-end checkpoint copies the live state there). Returns how many
-    checkpoints entered the tree.
+    Skipped: finished or cache-barred requests, decode rows of a mixed batch, positions already
+    covered by the request's protected prefix, and the slice end of a request whose prefill goes
+    on (SGLang's own chunk-end checkpoint copies the live state there).
     """
-    if getattr(tree_cache, "disable", True) or not cap.rows or not cap.layers:
-        return 0
-    if len(reqs) != len(cap.prefix_lens):
-        n_cap, n_batch = len(cap.prefix_lens), len(reqs)
-        logger.warning("capture/batch mismatch (%d vs %d); dropped", n_cap, n_batch)
-        return 0
-    inserted = 0
+    out = []
     for i, req in enumerate(reqs):
         if req.finished() or getattr(req, "skip_radix_cache_insert", False):
             continue
@@ -76,17 +72,57 @@ def insert_checkpoints(tree_cache, reqs: list, cap: ForwardCapture, every: int) 
             continue
         end = cap.prefix_lens[i] + cap.extend_lens[i]
         unfinished = end < len(req.full_untruncated_fill_ids)
+        protected = req.kv.cache_protected_len
         for pos in cap.positions_of(i):
-            if pos % every or pos <= req.kv.cache_protected_len or (pos == end and unfinished):
+            if pos % every or pos <= protected or (pos == end and unfinished):
                 continue
-            req._kda_checkpoint = (cap, cap.row_index(i, pos))
-            try:
-                before = req.kv.cache_protected_len
-                tree_cache.checkpoint_into_tree(req, up_to=pos)
-                if req.kv.cache_protected_len > before:
-                    inserted += 1
-            finally:
-                req._kda_checkpoint = None
+            out.append((i, req, pos))
+    return out
+
+
+def reserve_slots(tree_cache, need: int, alpha: Optional[float]) -> int:
+    """Frees, in one :func:`evict_states` call, the state slots ``need`` new checkpoints lack;
+    returns how many states went. Nothing under SGLang's LRU (``alpha`` None: its walk is cheap
+    per call, and :func:`write_checkpoint_slot` evicts one at a time as before).
+
+    Why: the rule's walk is O(held states x path length). Run once per checkpoint, a 65,536-token
+    prompt at chunk 4096 spent 41% of the scheduler's samples in it once the 256-slot pool was
+    full (64 checkpoints per round), and rounds' non-attention time grew from ~0.5 s to ~5 s
+    between 16k and 56k tokens of context; once per prefill step it is one walk per round.
+    """
+    if alpha is None or need <= 0:
+        return 0
+    short = need - int(tree_cache.req_to_token_pool.mamba_allocator.available_size())
+    return int(evict_states(tree_cache, short, alpha)) if short > 0 else 0
+
+
+def insert_checkpoints(
+    tree_cache, reqs: list, cap: ForwardCapture, every: int, alpha: Optional[float] = None
+) -> int:
+    """Insert ``cap``'s checkpoints of ``reqs`` (the batch, in forward order) into the tree
+    (those :func:`planned_checkpoints` lists), after freeing the slots they need in one eviction
+    (:func:`reserve_slots`). Returns how many checkpoints entered the tree.
+    """
+    if getattr(tree_cache, "disable", True) or not cap.rows or not cap.layers:
+        return 0
+    if len(reqs) != len(cap.prefix_lens):
+        n_cap, n_batch = len(cap.prefix_lens), len(reqs)
+        logger.warning("capture/batch mismatch (%d vs %d); dropped", n_cap, n_batch)
+        return 0
+    plan = planned_checkpoints(reqs, cap, every)
+    reserve_slots(tree_cache, len(plan), alpha)
+    inserted = 0
+    for i, req, pos in plan:
+        if pos <= req.kv.cache_protected_len:
+            continue
+        req._kda_checkpoint = (cap, cap.row_index(i, pos))
+        try:
+            before = req.kv.cache_protected_len
+            tree_cache.checkpoint_into_tree(req, up_to=pos)
+            if req.kv.cache_protected_len > before:
+                inserted += 1
+        finally:
+            req._kda_checkpoint = None
     if inserted:
         STATS.add("checkpoints_admitted", inserted)
     return inserted

@@ -1,12 +1,12 @@
 """The round's grid checkpoints cost one eviction walk per step, not one per checkpoint
-(sglang_kda/perf_checkpoint_slots.py). Counts calls; no timing."""
+(``checkpoints.planned_checkpoints`` / ``reserve_slots``). Counts calls; no timing."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from sglang_kda.cache.capture import ForwardCapture
-from sglang_kda.perf_checkpoint_slots import count_new_checkpoints, reserve_checkpoint_slots
+from sglang_kda.cache.checkpoints import planned_checkpoints, reserve_slots
 
 
 def _req(n_tokens, protected=0, finished=False):
@@ -33,13 +33,13 @@ def _cap(prefix, extend, every=64):
 def test_counts_what_insert_checkpoints_inserts():
     # a 4096-token slice at 8192 of a 65,536-token prompt: 64 grid points, the slice end
     # (12288) is left to SGLang's chunk-end stash
-    assert count_new_checkpoints(_tree(0), [_req(65536, 8192)], _cap(8192, 4096), 64) == 63
+    assert len(planned_checkpoints([_req(65536, 8192)], _cap(8192, 4096), 64)) == 63
     # the last slice of a prompt: its end is inserted too
-    assert count_new_checkpoints(_tree(0), [_req(12288, 8192)], _cap(8192, 4096), 64) == 64
+    assert len(planned_checkpoints([_req(12288, 8192)], _cap(8192, 4096), 64)) == 64
     # positions inside the protected prefix are skipped
-    assert count_new_checkpoints(_tree(0), [_req(65536, 9000)], _cap(8192, 4096), 64) == 51  # 9024 .. 12224
-    assert count_new_checkpoints(_tree(0), [_req(65536, finished=True)], _cap(0, 4096), 64) == 0
-    assert count_new_checkpoints(_tree(0), [_req(100), _req(100)], _cap(0, 64), 64) == 0
+    # (9024 .. 12224)
+    assert len(planned_checkpoints([_req(65536, 9000)], _cap(8192, 4096), 64)) == 51
+    assert len(planned_checkpoints([_req(65536, finished=True)], _cap(0, 4096), 64)) == 0
 
 
 def test_one_eviction_call_for_the_whole_step(monkeypatch):
@@ -52,10 +52,10 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
         return n
 
     monkeypatch.setattr(checkpoints, "evict_states", fake_evict)
-    reqs, cap = [_req(65536, 8192)], _cap(8192, 4096)
-    assert reserve_checkpoint_slots(_tree(10), reqs, cap, 64, 1.0) == 53
+    need = len(planned_checkpoints([_req(65536, 8192)], _cap(8192, 4096), 64))
+    assert reserve_slots(_tree(10), need, 1.0) == 53
     assert calls == [53]  # one walk for 63 checkpoints with 10 free slots
     calls.clear()
-    assert reserve_checkpoint_slots(_tree(100), reqs, cap, 64, 1.0) == 0
-    assert reserve_checkpoint_slots(_tree(0), reqs, cap, 64, None) == 0  # LRU: unchanged
+    assert reserve_slots(_tree(100), need, 1.0) == 0
+    assert reserve_slots(_tree(0), need, None) == 0  # LRU: unchanged
     assert calls == []
