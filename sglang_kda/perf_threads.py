@@ -138,18 +138,21 @@ DEFAULT_HEAVY_MIN_MFLOP = 50.0
 
 
 def heavy_op_threads(environ=None) -> int:
-    """Threads for one large operator: ``SGLANG_KDA_HEAVY_OP_THREADS``, else every usable core."""
+    """Threads for one large operator: ``SGLANG_KDA_HEAVY_OP_THREADS`` (``all``: every usable
+    core); default 0 = off (the process's own count). Off by default because on the shared
+    2-core box two threads inside the MLA blocks were slower, not faster, whenever another
+    process ran (64k-token prompt at chunk 64: deep rounds' attention 87 ms vs 68 ms on one)."""
     environ = os.environ if environ is None else environ
+    raw = environ.get(HEAVY_THREADS_ENV, "0").strip().lower()
+    if raw == "all":
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):
+            return max(1, os.cpu_count() or 1)
     try:
-        n = int(environ.get(HEAVY_THREADS_ENV, "0"))
+        return max(0, int(raw))
     except ValueError:
-        n = 0
-    if n > 0:
-        return n
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        return 0
 
 
 def heavy_min_flops(environ=None) -> float:

@@ -115,4 +115,6 @@ def test_heavy_op_raises_threads_only_for_large_operators(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert perf_threads.heavy_op_threads({"SGLANG_KDA_HEAVY_OP_THREADS": "3"}) == 3
+    assert perf_threads.heavy_op_threads({}) == 0  # off by default
+    assert perf_threads.heavy_op_threads({"SGLANG_KDA_HEAVY_OP_THREADS": "all"}) >= 1
     assert perf_threads.heavy_min_flops({"SGLANG_KDA_HEAVY_OP_MIN_MFLOP": "-1"}) == 50e6
