@@ -250,34 +250,81 @@ def calibration_trace() -> tuple[T.Trace, T.Trace]:
     return T.Trace(alone, name="cal_alone"), T.Trace(streams, name="cal_streams")
 
 
-def fit_cpu_model(alone: dict[str, Real], streams: dict[str, Real]) -> tuple[CostModel, float]:
+def _group(streams: dict[str, Real], g: int) -> list[Real]:
+    return [r for k, r in sorted(streams.items()) if k.startswith(f"st{g}.")]
+
+
+def round_jitter(stream_runs: list[dict[str, Real]]) -> tuple[float, ...]:
+    """The spread of real decode rounds around their typical time: each calibration decode
+    group's ITLs (one stream's: the group's streams share their rounds) divided by the group's
+    median, pooled over groups and runs, sorted. The simulator draws one factor per round
+    (``SimConfig.round_jitter``)."""
+    out: list[float] = []
+    for streams in stream_runs:
+        for g, _ in enumerate(CAL_STREAMS):
+            itls = [x for x in _group(streams, g)[0].itls[2:] if x > 0]
+            if itls:
+                med = float(np.median(itls))
+                out += [x / med for x in itls]
+    return tuple(sorted(round(x, 4) for x in out))
+
+
+def fit_cpu_model(
+    alone_runs: list[dict[str, Real]], stream_runs: list[dict[str, Real]], stat: str = "median"
+) -> tuple[CostModel, float]:
     """NNLS fit of the budget's cost model (+ a fixed per-request delay) on the calibration.
 
-    The machine is shared: contention only ever adds time, so each calibration point takes the
-    least-contended observation (the fastest of the repeated prompts; the 25th percentile of a
-    decode group's ITLs)."""
+    ``stat`` is how each calibration point reduces its repeated observations: ``median`` (the
+    typical round, what the validation's p50s compare against; the default since the launcher
+    gives one CPU rank cores - 1 threads and the server repeats itself) or ``min`` (the
+    least-contended observation: the fastest of the repeated prompts, the 25th percentile of a
+    decode group's ITLs; for a machine shared with other jobs, where contention only ever adds
+    time). Each point pools its observations over the calibration runs (before and after the
+    workloads). Rows: each prompt length alone (TTFT = fixed + its chunked rounds), each decode
+    group (ITL = one decode round), and each stream group whose prompts all got their first
+    token in one round (TTFT = fixed + one prefill round of several slices: what a round with
+    more than one request costs)."""
+    if stat not in ("median", "min"):
+        raise ValueError("stat: median or min")
+    reduce = (lambda xs: float(np.median(xs))) if stat == "median" else min
     base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     rows, ys = [], []
-    by_len: dict[int, list[float]] = {}
-    for r in alone.values():
-        by_len.setdefault(len(r.ids), []).append(r.ttft)
-    for n, ttfts in sorted(by_len.items()):
+
+    def chunked(n: int):
         f = np.zeros(5)
         done = 0
         while done < n:
             c = min(CHUNK, n - done)
             f += base.features(BatchShape((), (Slice(done, c),)))
             done += c
-        rows.append(np.append(f, 1.0))
-        ys.append(min(ttfts))
+        return f
+
+    by_len: dict[int, list[float]] = {}
+    for alone in alone_runs:
+        for r in alone.values():
+            by_len.setdefault(len(r.ids), []).append(r.ttft)
+    for n, ttfts in sorted(by_len.items()):
+        rows.append(np.append(chunked(n), 1.0))
+        ys.append(reduce(ttfts))
     for g, (bs, n) in enumerate(CAL_STREAMS):
-        group = [r for k, r in streams.items() if k.startswith(f"st{g}.")]
+        groups = [_group(streams, g) for streams in stream_runs]
         # Decode rounds where the group's streams run together: their later ITLs (a gap of 0 is
         # two tokens in one streamed chunk, not a round).
-        itls = [x for r in group for x in r.itls[2:] if x > 0]
+        itls = [x for group in groups for r in group for x in r.itls[2:] if x > 0]
         f = base.features(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
         rows.append(np.append(f, 0.0))
-        ys.append(float(np.percentile(itls, 25)))
+        ys.append(float(np.percentile(itls, 50 if stat == "median" else 25)))
+        # One prefill round of bs slices: the groups whose first tokens all came in one round.
+        one_round = [
+            r.ttft
+            for group in groups
+            if max(r.token_times[0] for r in group) - min(r.token_times[0] for r in group) < 2e-3
+            for r in group
+        ]
+        if bs > 1 and bs * n <= CHUNK and one_round:
+            f = base.features(BatchShape((), tuple(Slice(0, n) for _ in range(bs))))
+            rows.append(np.append(f, 1.0))
+            ys.append(reduce(one_round))
     x, y = np.array(rows), np.array(ys)
     w = 1.0 / y
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
@@ -409,6 +456,12 @@ def collect(policy: str, args, tmp: Path) -> dict:
                     f"[{policy}] {name}: ran on the server ({time.monotonic() - t0:.0f}s)",
                     flush=True,
                 )
+        # The calibration again, after the workloads: the fit pools both, so it sees the
+        # machine as the workloads saw it (a shared machine's load drifts over minutes).
+        server.flush()
+        raw["cal_alone_after"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
+        server.flush()
+        raw["cal_streams_after"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
     finally:
         server.stop()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -416,17 +469,19 @@ def collect(policy: str, args, tmp: Path) -> dict:
     return raw
 
 
-def evaluate(raw: dict) -> list[dict]:
+def evaluate(raw: dict, stat: str = "median", jitter: bool = True) -> list[dict]:
     """Fit the CPU cost model on the calibration records, simulate every workload, compare."""
     policy = raw["policy"]
     cal_alone, cal_streams = calibration_trace()
-    model, fixed = fit_cpu_model(
-        _from_records(cal_alone, raw["cal_alone"]), _from_records(cal_streams, raw["cal_streams"])
-    )
+    runs = [k for k in ("", "_after") if f"cal_alone{k}" in raw]
+    alone_runs = [_from_records(cal_alone, raw[f"cal_alone{k}"]) for k in runs]
+    stream_runs = [_from_records(cal_streams, raw[f"cal_streams{k}"]) for k in runs]
+    model, fixed = fit_cpu_model(alone_runs, stream_runs, stat)
+    factors = round_jitter(stream_runs) if jitter else ()
     model.save(
         OUT_DIR / f"cpu_cost_model_{policy}.json",
         key=f"tiny-cpu-{policy}",
-        extra={"per_request_fixed_s": fixed},
+        extra={"per_request_fixed_s": fixed, "round_jitter": list(factors)},
     )
     cfg = SimConfig(
         policy=policy,
@@ -434,6 +489,7 @@ def evaluate(raw: dict) -> list[dict]:
         max_prefill_tokens=131072,
         ingress_s=fixed,
         integrity=True,
+        round_jitter=factors,
     )
     rows = []
     for name, tr in workloads(raw["quick"]).items():
@@ -526,6 +582,17 @@ def main() -> int:
     )
     ap.add_argument("--latency-metrics", default=",".join(LATENCY))
     ap.add_argument(
+        "--no-jitter",
+        action="store_true",
+        help="every simulated round takes exactly the cost model's prediction",
+    )
+    ap.add_argument(
+        "--cal-stat",
+        choices=("median", "min"),
+        default="median",
+        help="how a calibration point reduces its repeats (see fit_cpu_model)",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=2,
@@ -548,7 +615,7 @@ def main() -> int:
                     if log.exists():
                         print(log.read_text()[-3000:], file=sys.stderr)
                     raise
-        rows += evaluate(raw)
+        rows += evaluate(raw, args.cal_stat, not args.no_jitter)
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)
     return 0

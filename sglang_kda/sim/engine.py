@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -95,6 +96,11 @@ class SimConfig:
         a continuation of a finished prompt is cached up to exactly the prompt's end) or ``end``
         (prompt + output less the last token, SGLang's nominal rule).
     integrity: run the tree's integrity check after every round.
+    round_jitter: multiplicative factors on a round's predicted time, one drawn per round
+        (uniformly, from a generator seeded by ``seed`` and the rank): the spread of real round
+        times around the cost model's prediction (``benchmark/sim_validate.py`` measures it on
+        the calibration's decode rounds). Empty: every round takes exactly the prediction.
+    seed: seeds the jitter draws (a run stays a pure function of trace, config and cost).
     """
 
     policy: str = "kda"
@@ -115,6 +121,8 @@ class SimConfig:
     integrity: bool = False
     finished_state: str = "prompt"
     eviction: object = "marconi"
+    round_jitter: tuple = ()
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -128,6 +136,9 @@ class SimConfig:
             raise ValueError("finished_state must be 'prompt' or 'end'")
         # The rule is the kda policy's (the server patches it in with --kda-policy kda only);
         # stock keeps SGLang's LRU.
+        self.round_jitter = tuple(float(x) for x in self.round_jitter)
+        if any(not x > 0 for x in self.round_jitter):
+            raise ValueError("round_jitter factors must be > 0")
         alpha = eviction_mod.parse_eviction(self.eviction)
         self.alpha = alpha if self.policy == "kda" else None
 
@@ -205,6 +216,7 @@ class Rank:
         self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
+        self.rng = random.Random(f"{cfg.seed}:{rank_id}")
 
     # -- queue --------------------------------------------------------------------------------
     @property
@@ -341,6 +353,8 @@ class Rank:
         dec = list(self.running) if run_decode else []
         shape = BatchShape(tuple(r.ctx for r in dec), tuple(Slice(s, e - s) for _, s, e in slices))
         dt = self.cost.predict(shape)
+        if cfg.round_jitter:
+            dt *= self.rng.choice(cfg.round_jitter)
         if dt <= 0:
             raise RuntimeError("cost model predicted a non-positive round time")
         start, end = self.now, self.now + dt
