@@ -153,7 +153,11 @@ def extend_attention(
     def block(start: int, stop: int, row0: int, causal: bool) -> None:
         nonlocal started
         idx = locs[start:stop]
-        kb = k_cache.index_select(0, idx)
+        first = int(idx[0])
+        if stop - start > 1 and bool((idx[1:] - idx[:-1] == 1).all()):
+            kb = k_cache.narrow(0, first, stop - start)  # contiguous rows: a view, no gather
+        else:
+            kb = k_cache.index_select(0, idx)
         if kb.dtype != dtype:
             kb = kb.to(dtype)
         if shared:
@@ -166,9 +170,19 @@ def extend_attention(
             kb = torch.nn.functional.pad(kb, (0, width - kb.shape[-1]))
         if vb.shape[-1] < width:
             vb = torch.nn.functional.pad(vb, (0, width - vb.shape[-1]))
-        kh = _heads_view(kb, hq)
-        vh = _heads_view(vb, hq)
-        o, lse = attend(qh[:, :, row0:], kh, vh, causal, scale)
+        rows = qh.shape[2] - row0
+        if not causal and kb.shape[1] == 1:
+            # one shared KV head (absorbed MLA): the heads' rows attend the block as one query
+            # matrix, so each key row is read once for all heads
+            qf = qh[:, :, row0:].reshape(1, 1, hq * rows, width)
+            kf = kb.transpose(0, 1).unsqueeze(0)
+            vf = vb.transpose(0, 1).unsqueeze(0)
+            o, lse = attend(qf, kf, vf, False, scale)
+            o, lse = o.view(1, hq, rows, width), lse.view(1, hq, rows)
+        else:
+            kh = _heads_view(kb, hq)
+            vh = _heads_view(vb, hq)
+            o, lse = attend(qh[:, :, row0:], kh, vh, causal, scale)
         if not started:
             # The first block covers every row (a prefix block or the chunk's first block).
             acc_o.copy_(o)
