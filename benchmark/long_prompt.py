@@ -414,13 +414,15 @@ def merge(out: Path) -> None:
     write_csv(out / "fits.csv", data["fits"])
     plot(out, data["chunks"], data["prompts"], data["rss"], list(kda.values()))
     lines = [
-        "| policy | chunk | prompt | status | TTFT s | scheduler CPU s | rounds | MLA s | "
+        "| run | policy | chunk | prompt | status | TTFT s | scheduler CPU s | rounds | MLA s | "
         "RSS idle MB | RSS peak MB | growth MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in sorted(data["prompts"], key=lambda p: (p["policy"], p["chunk_size"], p["prompt_len"])):
+    key = lambda p: (p["policy"], p["chunk_size"], p["prompt_len"], p["run"])  # noqa: E731
+    for p in sorted(data["prompts"], key=key):
         lines.append(
-            f"| {p['policy']} | {p['chunk_size']} | {p['prompt_len']} | {p['status']} | "
+            f"| {p['run']} | {p['policy']} | {p['chunk_size']} | {p['prompt_len']} | "
+            f"{p['status']} | "
             f"{p['ttft_s']:.1f} | {p.get('scheduler_cpu_s', float('nan')):.1f} | {p['rounds']} | "
             f"{p['mla_wall_s']:.1f} | {p['idle_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | "
             f"{p['growth_mb']:.0f} |"
