@@ -14,8 +14,13 @@ How: the seam is the two per-round inputs upstream already reads at the top of
     round, :func:`sglang_kda.policy.budget.plan_round` decides from predicted costs and deadlines
     how many prefill tokens the round takes and whether decode rides along (``share``/``grow``:
     mixed; ``alone``: prefill only, decode waits); the wrapper sets both for the call and puts
-    them back. Upstream's ``PrefillAdder`` then admits and cuts as always (on the checkpoint grid
-    by ``patches/schedule_policy.py``), so every upstream memory and budget check still holds.
+    them back. ``pace`` (even one grid step overshoots the round budget, the lone prefill has
+    slack, fewer than ``--kda-pace-every`` - 1 decode-only rounds since its last slice): the
+    wrapper returns no prefill batch, so the round is decode alone; an in-flight chunked request
+    was already stashed by ``get_next_batch_to_run`` (``prefix_len = extend_end``) and resumes
+    in a later round. Upstream's ``PrefillAdder`` then admits and cuts as always (on the
+    checkpoint grid by ``patches/schedule_policy.py``), so every upstream memory and budget
+    check still holds.
     The prefill at the head of the plan (earliest deadline among those at risk) is moved to the
     front of the waiting queue after upstream's ``calc_priority``. Alternating prefill and decode
     rounds (upstream's ``--prefill-decode-interval``) was the other seam: it pays a forward's
@@ -68,6 +73,7 @@ class BudgetRuntime:
     step_start: float | None = None
     step_shape: object = None
     last_drift_log: int = -(10**9)
+    since_slice: int = 0  # decode-only rounds the pacing ran since the last prefill slice
 
     def report(self) -> dict:
         f = self.fit
@@ -211,6 +217,7 @@ def _build(sched) -> BudgetRuntime | None:
         deadline_s_per_1k=kcfg.deadline_ms_per_1k_tokens / 1e3,
         grid=grid,
         max_slice=max_slice,
+        pace_every=kcfg.pace_every,
     )
     key = cache_key(
         getattr(sched.model_config, "model_path", "model"),
@@ -301,12 +308,19 @@ def apply(ctx) -> None:
             decode_ctx,
             book.pending(present),
             inflight=chunked.rid if chunked is not None else None,
+            since_slice=st.since_slice if running_batch.reqs else None,
         )
         st.last_plan = plan
         if plan.rid is None:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         st.rounds[plan.mode] = st.rounds.get(plan.mode, 0) + 1
         _inc("rounds", mode=plan.mode)
+        if plan.mode == "pace":
+            # Decode alone this round. An in-flight chunked request was already stashed by
+            # get_next_batch_to_run (prefix_len = extend_end), so it simply resumes later.
+            st.since_slice += 1
+            return None, running_batch
+        st.since_slice = 0
         head = present.get(plan.rid) if chunked is None else None
         saved = self.chunked_prefill_size, self.is_mixed_chunk
         had_calc = "calc_priority" in self.policy.__dict__

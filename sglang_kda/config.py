@@ -71,6 +71,8 @@ class KDAConfig:
         round by predicted time and deadlines (needs ``--kda-policy kda``); ``off``: SGLang's
         token budgets.
     itl_target_ms: the round's time budget (0: 1.2x the predicted decode-only step).
+    pace_every: under the serial budget, when even one grid step overshoots the round budget, a
+        lone prefill with slack takes a slice in at most one round of this many (0: no pacing).
     ttft_deadline_ms / deadline_ms_per_1k_tokens: a prefill's default deadline after arrival.
     cost_model: file the cost model is loaded from and saved to ("": a cache file per model,
         device and dtype).
@@ -87,6 +89,7 @@ class KDAConfig:
     debug_integrity: str = "off"
     budget: str = "off"
     itl_target_ms: float = 0.0
+    pace_every: int = 200
     ttft_deadline_ms: float = 10_000.0
     deadline_ms_per_1k_tokens: float = 1_000.0
     cost_model: str = ""
@@ -123,6 +126,16 @@ class KDAConfig:
                 f"only by the state pool); got {self.checkpoint_pool_size!r}"
             )
         object.__setattr__(self, "checkpoint_pool_size", pool)
+        try:
+            pace = int(str(self.pace_every))
+        except ValueError:
+            pace = -1
+        if pace < 0:
+            raise ConfigError(
+                "--kda-pace-every must be a non-negative integer (rounds; 0 = no pacing); "
+                f"got {self.pace_every!r}"
+            )
+        object.__setattr__(self, "pace_every", pace)
         from sglang_kda.cache.eviction import parse_eviction
 
         try:

@@ -131,6 +131,14 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
         "decode-only step of the running batch. Default: 0.",
     )
     group.add_argument(
+        "--kda-pace-every",
+        default="200",
+        help="Under --kda-budget serial, when even one 64-token slice makes a round overshoot "
+        "its time budget, a lone prefill with slack takes a slice in at most one round of this "
+        "many (decode alone in the others) while its deadline allows: over-budget decode gaps "
+        "stay under 1/N of all gaps. 0 = a slice every round. Default: 200.",
+    )
+    group.add_argument(
         "--kda-ttft-deadline-ms",
         default="10000",
         help="Default prefill deadline after arrival (plus --kda-deadline-ms-per-1k-tokens); "
@@ -185,7 +193,7 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
             raise ConfigError(
                 f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
                 "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-eviction, --kda-twins, "
-                "--kda-debug-integrity, --kda-budget, --kda-itl-target-ms, "
+                "--kda-debug-integrity, --kda-budget, --kda-itl-target-ms, --kda-pace-every, "
                 "--kda-ttft-deadline-ms, --kda-deadline-ms-per-1k-tokens, --kda-cost-model, "
                 "--kda-reject-infeasible)"
             )
@@ -200,6 +208,7 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
         debug_integrity=known.kda_debug_integrity,
         budget=known.kda_budget,
         itl_target_ms=known.kda_itl_target_ms,
+        pace_every=known.kda_pace_every,
         ttft_deadline_ms=known.kda_ttft_deadline_ms,
         deadline_ms_per_1k_tokens=known.kda_deadline_ms_per_1k_tokens,
         cost_model=known.kda_cost_model,

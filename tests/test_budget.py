@@ -337,3 +337,58 @@ def test_layer_counts_from_the_model_config():
     lac = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
     assert _layers(NS(hf_config=NS(linear_attn_config=lac))) == (3, 1)
     assert _layers(NS(hf_config=NS())) == (0, 0)  # no KDA layers: the budget stays off
+
+
+def _paced_run(cfg, p, decode, max_rounds=100_000):
+    """Rounds as the scheduler patch runs them with pacing: returns (round kinds, finish time)."""
+    now, since, kinds = 0.0, 0, []
+    while p.remaining and len(kinds) < max_rounds:
+        plan = plan_round(MODEL, cfg, now, decode, [p], inflight=p.rid, since_slice=since)
+        if plan.mode == "pace":
+            since += 1
+            kinds.append("decode")
+            now += MODEL.predict(BatchShape.of(decode))
+            continue
+        since = 0
+        end = slice_end(p.done, plan.tokens, p.remaining, cfg.grid)
+        dec = tuple(decode) if plan.mix_decode else ()
+        now += MODEL.predict(BatchShape(dec, (Slice(p.done, end - p.done),)))
+        p.done = end
+        kinds.append(plan.mode)
+    return kinds, now
+
+
+def test_pacing_keeps_over_budget_rounds_a_small_fraction_and_meets_the_deadline():
+    """When one grid step already overshoots the round budget and the deadline is generous, at
+    most one round in ``pace_every`` carries a slice; the prefill still finishes in time."""
+    # a target between the decode-only step (21.3 ms) and decode + one grid step (23.8 ms)
+    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096)
+    budget = round_budget(MODEL, DECODE, cfg)
+    assert MODEL.predict(BatchShape.of(DECODE)) < budget < round_cost(DECODE, 0, 64)
+    p = Prefill("long", deadline=10_000.0, done=0, total=3000)
+    kinds, finish = _paced_run(cfg, p, DECODE)
+    slices = [k for k in kinds if k != "decode"]
+    assert p.remaining == 0 and finish <= p.deadline
+    assert len(slices) / len(kinds) <= 1 / cfg.pace_every + 1e-9
+    assert all(k == "share" for k in slices)
+
+
+def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():
+    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096)
+    total = 3000
+    alone = MODEL.alone_time(0, total, cfg.max_slice)
+    # a deadline that sharing every round meets but pacing would not: no pacing
+    p = Prefill("long", deadline=40 * alone, done=0, total=total)
+    kinds, finish = _paced_run(cfg, p, DECODE)
+    assert "decode" not in kinds and finish <= p.deadline
+    # no counter (None), or pace_every 0: a slice every round
+    q = Prefill("q", deadline=10_000.0, done=0, total=total)
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [q], inflight="q").mode == "share"
+    off = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=0)
+    assert plan_round(MODEL, off, 0.0, DECODE, [q], inflight="q", since_slice=0).mode == "share"
+    # another prefill waiting: never paced (a waiting prompt is not held back)
+    r = Prefill("r", deadline=10_000.0, done=0, total=50)
+    plan = plan_round(MODEL, cfg, 0.0, DECODE, [q, r], inflight="q", since_slice=0)
+    assert plan.mode != "pace"
+    with pytest.raises(ValueError):
+        BudgetConfig(pace_every=-1)

@@ -16,6 +16,14 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   its deadline, its slice grows to the smallest size that still finishes in time with decode
   riding along each round (``grow``); when even the largest slice cannot, the prefill runs alone
   (``alone``: no decode in the round). With no decode running the prefill takes the largest slice.
+* **Pacing** (``pace``): when even the smallest slice (one grid step) makes the round overshoot
+  its budget, a lone prefill with slack to spare does not take a slice every round: at most one
+  round in ``pace_every`` carries its slice, the others run decode alone, as long as the paced
+  finish still meets the deadline (else ``share``, ``grow``, ``alone`` as above). Over-budget
+  decode gaps then stay a ``1 / pace_every`` fraction of all gaps, so the decode ITL percentiles
+  below that fraction keep the target. Only while no other prefill waits (a waiting prompt is
+  never held back by pacing). The caller counts the rounds since the last slice
+  (``since_slice``); ``None`` turns pacing off.
 * Slices end on the checkpoint grid (:func:`sglang_kda.policy.grid.aligned_chunk_len` semantics):
   the slice is the longest grid-aligned one whose predicted round fits the budget, and at least
   up to the next grid point (a round never makes zero progress; the budget is overspent by at
@@ -34,7 +42,7 @@ from typing import Iterable, Sequence
 
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 
-MODES = ("idle", "prefill_only", "share", "grow", "alone")
+MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace")
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class BudgetConfig:
     grid: the checkpoint grid (cuts end on it).
     max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
     safety: remaining-time predictions are multiplied by this before comparing with deadlines.
+    pace_every: with pacing, at most one round in this many carries an over-budget slice
+        (0 or 1: no pacing). 200 keeps over-budget gaps at 0.5% of decode gaps (under p99).
     """
 
     itl_target_s: float | None = None
@@ -55,12 +65,15 @@ class BudgetConfig:
     grid: int = 64
     max_slice: int = 4096
     safety: float = 1.1
+    pace_every: int = 200
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
             raise ValueError(f"need 1 <= grid <= max_slice, got {self.grid}, {self.max_slice}")
         if self.itl_target_s is not None and self.itl_target_s <= 0:
             raise ValueError("itl_target_s must be positive")
+        if self.pace_every < 0:
+            raise ValueError("pace_every must be >= 0")
 
 
 @dataclass
@@ -198,6 +211,16 @@ def finish_time(
     return n * per_round + model.prefill_work(p.done, p.total)
 
 
+def paced_finish_time(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, s: int, cfg: BudgetConfig
+) -> float:
+    """Predicted seconds until ``p`` is done when only one round in ``cfg.pace_every`` carries a
+    slice of ``s`` tokens (the others: decode alone)."""
+    n = _rounds(p.done, p.remaining, s, cfg.grid)
+    decode_round = model.predict(BatchShape.of(decode_ctx))
+    return finish_time(model, decode_ctx, p, s, cfg) + n * (cfg.pace_every - 1) * decode_round
+
+
 def needed_slice(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, now: float, cfg: BudgetConfig
 ) -> int | None:
@@ -259,8 +282,10 @@ def plan_round(
     decode_ctx: Sequence[int],
     prefills: Sequence[Prefill],
     inflight: str | None = None,
+    since_slice: int | None = None,
 ) -> Plan:
-    """Plan one round; see the module docstring."""
+    """Plan one round; see the module docstring. ``since_slice``: decode-only rounds run since
+    the last round that carried a prefill slice (``None``: no pacing)."""
     budget = round_budget(model, decode_ctx, cfg)
     pending = [p for p in prefills if p.remaining > 0]
     if not pending:
@@ -277,6 +302,14 @@ def plan_round(
     if not decode_ctx:
         return planned("prefill_only", cfg.max_slice, False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
+    if since_slice is not None and cfg.pace_every > 1 and len(pending) == 1:
+        over = model.predict(BatchShape(tuple(decode_ctx), (Slice(head.done, share),))) > budget
+        paced = paced_finish_time(model, decode_ctx, head, share, cfg)
+        if over and paced * cfg.safety <= head.deadline - now:
+            if since_slice < cfg.pace_every - 1:
+                dec = model.predict(BatchShape.of(decode_ctx))
+                return Plan("pace", head.rid, 0, True, budget, dec, sl)
+            return planned("share", share, True, budget)
     if finish_time(model, decode_ctx, head, share, cfg) * cfg.safety <= head.deadline - now:
         return planned("share", share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)

@@ -2,7 +2,9 @@
 
 - A long prompt (2,500 tokens) arrives while two greedy decodes stream: it finishes, its
   deadline (generous, the server default) is met, and the decode streams keep getting tokens
-  while it is prefilled (the budget mixes decode into the prefill rounds).
+  while it is prefilled (the budget mixes decode into the prefill rounds). With a 1 ms round
+  budget every slice overshoots, so the budget paces the prompt (``--kda-pace-every 20``: decode
+  alone in 19 rounds of 20).
 - A per-request deadline (``sampling_params.custom_params.ttft_deadline_ms``) overrides the
   default: 1 ms cannot be met, and under ``--kda-reject-infeasible on`` the request gets a 400
   naming the deadline; the same prompt without it is served.
@@ -41,6 +43,8 @@ def budget_server(tmp_path_factory, tiny_model_dir):
             "--chunked-prefill-size", "1024",
             "--kda-budget", "serial",
             "--kda-ttft-deadline-ms", "600000",
+            "--kda-pace-every", "20",
+            "--kda-itl-target-ms", "1",  # every slice overshoots: pacing is certain
             "--kda-reject-infeasible", "on",
             "--kda-cost-model", str(cost_file),
         ],
@@ -119,6 +123,9 @@ def test_long_prompt_meets_its_deadline_while_decodes_stream(budget_server, corp
         assert sum(t0 < t < t1 for t in s.times) >= 1
     rounds = after["rounds"]
     assert rounds.get("share", 0) + rounds.get("grow", 0) >= 2, rounds
+    # every slice overshoots the 1 ms round budget and the deadline is generous: decode ran
+    # alone between slices (pacing, --kda-pace-every 20)
+    assert rounds.get("pace", 0) >= 1, rounds
     assert after["cost_model"]["steps"] > before["cost_model"]["steps"]
     for s in streams:
         s.join(timeout=60)
@@ -163,6 +170,7 @@ def test_bad_per_request_deadline_gets_400_naming_the_field(budget_server, value
         (["--kda-budget", "fast"], "--kda-budget"),
         (["--kda-budget", "serial", "--kda-policy", "stock"], "--kda-budget serial"),
         (["--kda-itl-target-ms", "-3"], "--kda-itl-target-ms"),
+        (["--kda-pace-every", "-1"], "--kda-pace-every"),
         (["--kda-ttft-deadline-ms", "0"], "--kda-ttft-deadline-ms"),
         (["--kda-deadline-ms-per-1k-tokens", "x"], "--kda-deadline-ms-per-1k-tokens"),
         (["--kda-reject-infeasible", "yes"], "--kda-reject-infeasible"),
