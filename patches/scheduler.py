@@ -14,8 +14,9 @@ How: the seam is the two per-round inputs upstream already reads at the top of
     round, :func:`sglang_kda.policy.budget.plan_round` decides from predicted costs and deadlines
     how many prefill tokens the round takes and whether decode rides along (``share``/``grow``:
     mixed; ``alone``: prefill only, decode waits); the wrapper sets both for the call and puts
-    them back. ``pace`` (even one grid step overshoots the round budget, the lone prefill has
-    slack, fewer than ``--kda-pace-every`` - 1 decode-only rounds since its last slice): the
+    them back. ``pace`` (even one grid step overshoots the round budget, as predicted or as
+    observed on the last shared round; the lone prefill has slack; fewer than
+    ``--kda-pace-every`` - 1 decode-only rounds since its last slice): the
     wrapper returns no prefill batch, so the round is decode alone; an in-flight chunked request
     was already stashed by ``get_next_batch_to_run`` (``prefix_len = extend_end``) and resumes
     in a later round. Upstream's ``PrefillAdder`` then admits and cuts as always (on the
@@ -74,6 +75,7 @@ class BudgetRuntime:
     step_shape: object = None
     last_drift_log: int = -(10**9)
     since_slice: int = 0  # decode-only rounds the pacing ran since the last prefill slice
+    slice_overshoot: bool = False  # the last shared round took longer than its budget
 
     def report(self) -> dict:
         f = self.fit
@@ -309,6 +311,7 @@ def apply(ctx) -> None:
             book.pending(present),
             inflight=chunked.rid if chunked is not None else None,
             since_slice=st.since_slice if running_batch.reqs else None,
+            slice_overshoots=st.slice_overshoot,
         )
         st.last_plan = plan
         if plan.rid is None:
@@ -362,6 +365,9 @@ def apply(ctx) -> None:
             shape, st.step_start = st.step_shape, None
             if shape is not None:
                 _observe(st, shape, seconds)
+                plan = st.last_plan
+                if plan is not None and plan.mode == "share" and shape.slices and shape.decode_ctx:
+                    st.slice_overshoot = seconds > plan.budget_s
             if batch.forward_mode.is_extend():
                 _prefills_done(st, batch)
         return out

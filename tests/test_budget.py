@@ -392,3 +392,13 @@ def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():
     assert plan.mode != "pace"
     with pytest.raises(ValueError):
         BudgetConfig(pace_every=-1)
+
+
+def test_an_observed_overshoot_turns_pacing_on_where_the_model_says_the_slice_fits():
+    cfg = BudgetConfig(grid=64, max_slice=4096)  # 1.2x decode: a 64-token slice fits here
+    p = Prefill("q", deadline=10_000.0, done=0, total=3000)
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [p], inflight="q", since_slice=0).mode == "share"
+    plan = plan_round(
+        MODEL, cfg, 0.0, DECODE, [p], inflight="q", since_slice=0, slice_overshoots=True
+    )
+    assert plan.mode == "pace"

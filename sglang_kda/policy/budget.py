@@ -283,9 +283,12 @@ def plan_round(
     prefills: Sequence[Prefill],
     inflight: str | None = None,
     since_slice: int | None = None,
+    slice_overshoots: bool = False,
 ) -> Plan:
     """Plan one round; see the module docstring. ``since_slice``: decode-only rounds run since
-    the last round that carried a prefill slice (``None``: no pacing)."""
+    the last round that carried a prefill slice (``None``: no pacing). ``slice_overshoots``: the
+    last shared round was observed to overshoot its budget (pacing then applies even where the
+    model predicts the slice fits)."""
     budget = round_budget(model, decode_ctx, cfg)
     pending = [p for p in prefills if p.remaining > 0]
     if not pending:
@@ -303,7 +306,9 @@ def plan_round(
         return planned("prefill_only", cfg.max_slice, False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
     if since_slice is not None and cfg.pace_every > 1 and len(pending) == 1:
-        over = model.predict(BatchShape(tuple(decode_ctx), (Slice(head.done, share),))) > budget
+        over = slice_overshoots or (
+            model.predict(BatchShape(tuple(decode_ctx), (Slice(head.done, share),))) > budget
+        )
         paced = paced_finish_time(model, decode_ctx, head, share, cfg)
         if over and paced * cfg.safety <= head.deadline - now:
             if since_slice < cfg.pace_every - 1:
