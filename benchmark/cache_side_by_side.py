@@ -16,8 +16,8 @@ Workloads (all greedy, short outputs, a fixed seed):
 - ``burst``: groups of requests sharing a ~900-token prefix with distinct short tails, each group
   sent at once (the twins case).
 - ``diverge``: a ~700-token base prompt, then requests sharing its first N tokens (N random in
-  300-650, never a multiple of 64) followed by new tails, one after the other. The base request itself
-  (the same full computation under both policies) primes the cache and is not measured.
+  300-650, never a multiple of 64) followed by new tails, one after the other. The base request
+  itself (the same full computation under both policies) primes the cache and is not measured.
 - ``repeat``: the same prompt twice, one after the other (826 tokens, then 700 and 1000).
 
 Prefix lengths stay off the 256-token chunk grid on purpose (gsp system prompts of 600/700

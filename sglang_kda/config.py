@@ -89,7 +89,7 @@ class KDAConfig:
     debug_integrity: str = "off"
     budget: str = "off"
     itl_target_ms: float = 0.0
-    pace_every: int = 200
+    pace_every: int = 0
     ttft_deadline_ms: float = 10_000.0
     deadline_ms_per_1k_tokens: float = 1_000.0
     cost_model: str = ""

@@ -132,11 +132,12 @@ def add_kda_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kda-pace-every",
-        default="200",
+        default="0",
         help="Under --kda-budget serial, when even one 64-token slice makes a round overshoot "
         "its time budget, a lone prefill with slack takes a slice in at most one round of this "
         "many (decode alone in the others) while its deadline allows: over-budget decode gaps "
-        "stay under 1/N of all gaps. 0 = a slice every round. Default: 200.",
+        "stay under 1/N of all gaps, and the prompt finishes near its deadline (every prompt, "
+        "short ones included, while decodes run). 0 = a slice every round. Default: 0.",
     )
     group.add_argument(
         "--kda-ttft-deadline-ms",

@@ -191,4 +191,3 @@ def heavy_op(flops: float) -> Iterator[int]:
         yield want
     finally:
         torch.set_num_threads(have)
-

@@ -362,7 +362,7 @@ def test_pacing_keeps_over_budget_rounds_a_small_fraction_and_meets_the_deadline
     """When one grid step already overshoots the round budget and the deadline is generous, at
     most one round in ``pace_every`` carries a slice; the prefill still finishes in time."""
     # a target between the decode-only step (21.3 ms) and decode + one grid step (23.8 ms)
-    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096)
+    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=200)
     budget = round_budget(MODEL, DECODE, cfg)
     assert MODEL.predict(BatchShape.of(DECODE)) < budget < round_cost(DECODE, 0, 64)
     p = Prefill("long", deadline=10_000.0, done=0, total=3000)
@@ -374,7 +374,7 @@ def test_pacing_keeps_over_budget_rounds_a_small_fraction_and_meets_the_deadline
 
 
 def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():
-    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096)
+    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=200)
     total = 3000
     alone = MODEL.alone_time(0, total, cfg.max_slice)
     # a deadline that sharing every round meets but pacing would not: no pacing
@@ -392,10 +392,12 @@ def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():
     assert plan.mode != "pace"
     with pytest.raises(ValueError):
         BudgetConfig(pace_every=-1)
+    assert BudgetConfig().pace_every == 0  # opt-in
 
 
 def test_an_observed_overshoot_turns_pacing_on_where_the_model_says_the_slice_fits():
-    cfg = BudgetConfig(grid=64, max_slice=4096)  # 1.2x decode: a 64-token slice fits here
+    # 1.2x decode: a 64-token slice fits here
+    cfg = BudgetConfig(grid=64, max_slice=4096, pace_every=200)
     p = Prefill("q", deadline=10_000.0, done=0, total=3000)
     assert plan_round(MODEL, cfg, 0.0, DECODE, [p], inflight="q", since_slice=0).mode == "share"
     plan = plan_round(

@@ -55,7 +55,7 @@ class BudgetConfig:
     max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
     safety: remaining-time predictions are multiplied by this before comparing with deadlines.
     pace_every: with pacing, at most one round in this many carries an over-budget slice
-        (0 or 1: no pacing). 200 keeps over-budget gaps at 0.5% of decode gaps (under p99).
+        (0 or 1: no pacing, the default). 200 keeps over-budget gaps at 0.5% of decode gaps.
     """
 
     itl_target_s: float | None = None
@@ -65,7 +65,7 @@ class BudgetConfig:
     grid: int = 64
     max_slice: int = 4096
     safety: float = 1.1
-    pace_every: int = 200
+    pace_every: int = 0
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
