@@ -189,6 +189,24 @@ def test_budget_plans_mix_decode_and_meet_deadline():
     assert mixed
 
 
+def test_budget_pacing_runs_decode_alone_and_keeps_the_chunked_request():
+    """The budget's opt-in pacing in the simulator: with a round budget no slice fits in, pace
+    rounds run decode alone, the long prompt still finishes by its deadline, and at most one
+    round in ``pace_every`` carries its slice while decodes run."""
+    tr = T.long_among_decodes(streams=4, stream_out=2000, long_prompt=1500, deadline_s=600)
+    cfg = BudgetConfig(itl_target_s=1e-4, grid=64, max_slice=1024, pace_every=10)
+    res = run(tr, policy="kda", budget=cfg, chunked_prefill_size=1024)
+    check_invariants(res, tr)
+    rounds = res.ranks[0].rounds
+    paced = [rd for rd in rounds if rd.mode == "pace"]
+    assert paced and all(not rd.slices and rd.n_decode for rd in paced)
+    long = [r for r in res.requests if r.rid == "long"][0]
+    assert long.state == "done" and long.ttft <= 600
+    with_decode = [rd for rd in rounds if rd.n_decode and rd.start < long.token_times[0]]
+    sliced = [rd for rd in with_decode if rd.slices]
+    assert len(sliced) <= len(with_decode) / cfg.pace_every + 1
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     seed=st.integers(0, 10**6),

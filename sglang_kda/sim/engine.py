@@ -14,7 +14,9 @@ model, :mod:`sglang_kda.sim.costs`) and the clock:
   where the server applies it: once after a prefill step's inserts and after each finished
   request's insert (KV pressure: LRU leaves);
 * the serial-aware budget and deadlines: :func:`sglang_kda.policy.budget.plan_round` and
-  :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set).
+  :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set), including its
+  opt-in pacing (``BudgetConfig.pace_every``: a ``pace`` round is decode alone and leaves the
+  in-flight chunked request for a later round, as the server's wrapper does).
 
 A round (:meth:`Rank.step`) is built as SGLang's ``get_new_batch_prefill`` builds it (non-overlap
 scheduler): the in-flight chunked request first (``kda``: it first re-matches the tree and jumps to
@@ -213,6 +215,7 @@ class Rank:
         self.book = budget_mod.DeadlineBook(cfg.budget) if cfg.kda and cfg.budget else None
         self.infeasible: list[str] = []
         self.twin_waits = 0
+        self.since_slice = 0  # budget pacing: decode-only rounds since the last prefill slice
         self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
@@ -278,9 +281,13 @@ class Rank:
                 decode_ctx,
                 self.book.pending([r.rid for r in pending]),
                 inflight=self.chunked.rid if self.chunked else None,
+                since_slice=self.since_slice if decode_ctx else None,
             )
             mode = plan.mode
-            if plan.rid is not None:
+            if plan.mode == "pace":  # decode alone this round (the server returns no prefill)
+                self.since_slice += 1
+            elif plan.rid is not None:
+                self.since_slice = 0
                 chunk_budget = max(1, plan.tokens)
                 mix = plan.mix_decode
                 if self.chunked is None:  # the plan's prefill first (EDF among those at risk)
@@ -293,9 +300,10 @@ class Rank:
         slices: list[tuple[SimReq, int, int]] = []  # (req, start, end)
         rem_chunk = chunk_budget
         rem_input = cfg.max_prefill_tokens - (len(decode_ctx) if mix else 0)
-        closed = False
+        paced = mode == "pace"
+        closed = paced
         n_run = len(self.running)
-        if self.chunked is not None:
+        if self.chunked is not None and not paced:
             r = self.chunked
             if cfg.kda and cfg.resume_in_flight:
                 m = self.tree.match(r.ids, self._limit(r), start=r.node)
@@ -373,7 +381,8 @@ class Rank:
             )
 
         # -- after the forward ----------------------------------------------------------------
-        self.chunked = None
+        if not paced:  # a paced round leaves the in-flight chunked request where it was
+            self.chunked = None
         for r, s, e in slices:
             r.computed += e - s
             r.prefix = e
