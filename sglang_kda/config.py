@@ -33,6 +33,17 @@ def _positive_int(value: object, flag: str, limit: int) -> int:
     return n
 
 
+def _non_negative_int(value: object, flag: str, meaning: str) -> int:
+    """An integer >= 0 from an int or its decimal text; ``meaning`` goes into the error."""
+    try:
+        n = int(str(value))
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ConfigError(f"{flag} must be a non-negative integer ({meaning}); got {value!r}")
+    return n
+
+
 def _ms(value: object, name: str, positive: bool) -> float:
     """Milliseconds: a finite number >= 0 (> 0 when ``positive``), from a number or its text."""
     flag = "--kda-" + name.replace("_", "-")
@@ -116,25 +127,13 @@ class KDAConfig:
                 f"got {self.checkpoint_every!r}"
             )
         object.__setattr__(self, "checkpoint_every", every)
-        try:
-            pool = int(str(self.checkpoint_pool_size))
-        except ValueError:
-            pool = -1
-        if pool < 0:
-            raise ConfigError(
-                "--kda-checkpoint-pool-size must be a non-negative integer (states; 0 = bounded "
-                f"only by the state pool); got {self.checkpoint_pool_size!r}"
-            )
+        pool = _non_negative_int(
+            self.checkpoint_pool_size,
+            "--kda-checkpoint-pool-size",
+            "states; 0 = bounded only by the state pool",
+        )
         object.__setattr__(self, "checkpoint_pool_size", pool)
-        try:
-            pace = int(str(self.pace_every))
-        except ValueError:
-            pace = -1
-        if pace < 0:
-            raise ConfigError(
-                "--kda-pace-every must be a non-negative integer (rounds; 0 = no pacing); "
-                f"got {self.pace_every!r}"
-            )
+        pace = _non_negative_int(self.pace_every, "--kda-pace-every", "rounds; 0 = no pacing")
         object.__setattr__(self, "pace_every", pace)
         from sglang_kda.cache.eviction import parse_eviction
 
