@@ -89,6 +89,8 @@ def apply(ctx) -> None:
     @functools.wraps(orig)
     def forward_batch_generation(self, batch=None, *args, **kwargs):
         pol = _policy(self)
+        if pol.max_threads <= 1:  # one thread either way: no shape to read
+            return orig(self, batch, *args, **kwargs)
         with pol.step(step_shape(batch)):
             return orig(self, batch, *args, **kwargs)
 

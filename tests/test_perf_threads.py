@@ -98,23 +98,3 @@ def test_step_shape_from_schedule_batch():
     assert step_shape(b) == StepShape([1, 1], [4, 8])
     assert step_shape(None) is None
     assert step_shape(SimpleNamespace(forward_mode=ext, extend_lens=None, prefix_lens=[])) is None
-
-
-def test_heavy_op_raises_threads_only_for_large_operators(monkeypatch):
-    from sglang_kda import perf_threads
-
-    before = torch.get_num_threads()
-    monkeypatch.setitem(perf_threads._HEAVY, "threads", before + 1)
-    monkeypatch.setitem(perf_threads._HEAVY, "min_flops", 1e6)
-    try:
-        with perf_threads.heavy_op(1e3) as n:
-            assert n == before and torch.get_num_threads() == before
-        with perf_threads.heavy_op(1e9) as n:
-            assert n == before + 1 and torch.get_num_threads() == before + 1
-        assert torch.get_num_threads() == before
-    finally:
-        torch.set_num_threads(before)
-    assert perf_threads.heavy_op_threads({"SGLANG_KDA_HEAVY_OP_THREADS": "3"}) == 3
-    assert perf_threads.heavy_op_threads({}) == 0  # off by default
-    assert perf_threads.heavy_op_threads({"SGLANG_KDA_HEAVY_OP_THREADS": "all"}) >= 1
-    assert perf_threads.heavy_min_flops({"SGLANG_KDA_HEAVY_OP_MIN_MFLOP": "-1"}) == 50e6
