@@ -453,6 +453,89 @@ def _scatter_pool_states(ssm_states: torch.Tensor, idx: torch.Tensor, S: torch.T
     ssm_states[idx[valid]] = S[valid].transpose(-1, -2).to(ssm_states.dtype)
 
 
+def _step(qf, kf, vf, g, beta, S, scale: float):
+    """One recurrent KDA step for N sequences (fla layout S [N, H, K, V], inputs [N, H, *]),
+    normalised inputs and activated gates; returns (o [N, H, V], new S)."""
+    S = S * g.exp().unsqueeze(-1)
+    pred = (kf.unsqueeze(-1) * S).sum(-2)  # S^T k, [N, H, V]
+    u = beta.unsqueeze(-1) * (vf - pred)
+    S = S + kf.unsqueeze(-1) * u.unsqueeze(-2)
+    o = ((qf * scale).unsqueeze(-1) * S).sum(-2)
+    return o, S
+
+
+def _extend_split(
+    q, k, v, g, beta, lens, bounds, idx, ssm_states, scale, use_qk_l2norm, every, prefix_lens
+):
+    """:func:`kda_extend_pool` for a batch mixing one-token sequences with longer ones: the
+    one-token sequences take a recurrent step (as :func:`kda_decode_pool`), the others
+    :func:`chunk_kda_torch`; outputs, pool rows and checkpoints are put back in batch order."""
+    _, T, H, K = q.shape
+    V = v.shape[-1]
+    N = len(lens)
+    prefixes = _to_int_list(prefix_lens, N, "prefix_lens")
+    ones = [i for i in range(N) if lens[i] == 1]
+    many = [i for i in range(N) if lens[i] != 1]
+    o = torch.empty(1, T, H, V, dtype=q.dtype, device=q.device)
+    ckpts: list[tuple[int, int, torch.Tensor]] = []
+    if scale is None:
+        scale = K**-0.5
+    dev = q.device
+
+    def rows(picked: list[int]):
+        """(token rows, sequence rows) of the picked sequences: plain slices when they are
+        consecutive (SGLang lays a mixed batch out as prefills, then the decodes)."""
+        if picked == list(range(picked[0], picked[-1] + 1)):
+            return slice(bounds[picked[0]], bounds[picked[-1] + 1]), idx[picked[0] : picked[-1] + 1]
+        tok = torch.cat([torch.arange(bounds[i], bounds[i + 1], device=dev) for i in picked])
+        return tok, idx[torch.tensor(picked, device=dev)]
+
+    if many:
+        tok, sub = rows(many)
+        cu = torch.tensor([0, *itertools.accumulate(lens[i] for i in many)], device=dev)
+        res = chunk_kda_torch(
+            q[:, tok], k[:, tok], v[:, tok], g[:, tok], beta[:, tok],
+            scale=scale,
+            initial_state=_gather_pool_states(ssm_states, sub, H, K, V),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=cu,
+            checkpoint_every=every,
+            prefix_lens=[prefixes[i] for i in many],
+        )  # fmt: skip
+        o[:, tok] = res[0]
+        _scatter_pool_states(ssm_states, sub, res[1])
+        if every is not None:
+            ck = res[2]
+            for r, (si, pos) in enumerate(zip(ck.seq_idx.tolist(), ck.positions.tolist())):
+                ckpts.append((many[si], pos, ck.states[r]))
+    if ones:
+        tok, sub = rows(ones)
+        qf, kf = q[0, tok].float(), k[0, tok].float()
+        if use_qk_l2norm:
+            qf, kf = _l2norm(qf), _l2norm(kf)
+        S = _gather_pool_states(ssm_states, sub, H, K, V)
+        o1, S = _step(qf, kf, v[0, tok].float(), g[0, tok].float(), beta[0, tok], S, scale)
+        o[0, tok] = o1.to(q.dtype)
+        _scatter_pool_states(ssm_states, sub, S)
+        if every is not None:
+            for r, i in enumerate(ones):
+                if (prefixes[i] + 1) % every == 0:
+                    ckpts.append((i, prefixes[i] + 1, S[r]))
+    if every is None:
+        return o
+    ckpts.sort(key=lambda r: (r[0], r[1]))
+    return o, KDACheckpoints(
+        states=(
+            torch.stack([r[2] for r in ckpts])
+            if ckpts
+            else torch.zeros(0, H, K, V, dtype=torch.float32, device=dev)
+        ),
+        seq_idx=torch.tensor([r[0] for r in ckpts], dtype=torch.long, device=dev),
+        positions=torch.tensor([r[1] for r in ckpts], dtype=torch.long, device=dev),
+    )
+
+
 def kda_extend_pool(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -506,6 +589,15 @@ def kda_extend_pool(
     g = kda_gate(g_raw.reshape(1, T, H, K), A_log, dt_bias, lower_bound)
     beta = beta_raw.reshape(1, T, H).float().sigmoid()
     idx = cache_indices.reshape(-1).long()
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    if 1 in lens and len(lens) > 1:
+        # Mixed rounds carry running decodes as one-token sequences: a recurrent step each,
+        # not a padded 64-token chunk each (1.6 ms against 4.9 ms per layer for 64 + 4 x 1).
+        return _extend_split(
+            q, k, v, g, beta, lens, bounds, idx, ssm_states, scale, use_qk_l2norm,
+            checkpoint_every, prefix_lens,
+        )  # fmt: skip
     init = _gather_pool_states(ssm_states, idx, H, K, V)
     res = chunk_kda_torch(
         q, k, v, g, beta,
@@ -564,11 +656,6 @@ def kda_decode_pool(
     idx = cache_indices.reshape(-1).long()
     S = _gather_pool_states(ssm_states, idx, H, K, V)  # [N, H, K, V]
 
-    S = S * g.exp().unsqueeze(-1)
-    pred = (kf.unsqueeze(-1) * S).sum(-2)  # S^T k, [N, H, V]
-    u = beta.unsqueeze(-1) * (vf - pred)
-    S = S + kf.unsqueeze(-1) * u.unsqueeze(-2)
-    o = ((qf * scale).unsqueeze(-1) * S).sum(-2)
-
+    o, S = _step(qf, kf, vf, g, beta, S, scale)
     _scatter_pool_states(ssm_states, idx, S)
     return o.unsqueeze(0).to(q.dtype)

@@ -1,23 +1,28 @@
-"""Patch ``sglang.srt.layers.attention.torch_native_backend``: blockwise causal extend attention.
+"""Patch ``sglang.srt.layers.attention.torch_native_backend``: blockwise extend and decode.
 
-Upstream: ``TorchNativeAttnBackend._run_sdpa_forward_extend``, the prefill / chunked-prefill
-    attention of the ``torch_native`` backend. On the CPU engine the MLA layers of Kimi-Linear run
-    absorbed (``patches/mla_cpu.py``): ``forward_absorb_core`` -> ``attn_mqa`` (RadixAttention) ->
-    ``HybridLinearAttnBackend`` -> ``TorchNativeAttnBackend.forward_extend`` -> this method, with
-    4 query heads of ``kv_lora_rank + rope`` columns over the single-head latent pool (the value
-    buffer is a leading-column view of the key buffer).
-Why: upstream pads each request's query to the whole sequence (prefix + chunk) and runs causal
-    SDPA over all of it, keeping only the chunk's rows: every chunked-prefill round costs and
-    allocates the whole sequence squared (a 32k prompt took the scheduler to 23 GB and the OOM
-    killer; chunk 64 on a 6k prompt was 23x slower than chunk 4096).
-How: wraps the method; for causal self-attention without encoder or sliding window (every call
-    the CPU path of Kimi-Linear makes) it runs :func:`sglang_kda.cpu.mla_attention.
-    extend_attention_batch` instead: the chunk's rows against their context, blockwise over the
-    cached rows with an online softmax (memory: chunk rows + one key block), gathering each
-    latent row once. Any other call goes to upstream's method unchanged. The first use is logged
-    once per process (the server tests look for that line).
-Remove when: upstream's torch_native extend attends only the new rows (or the CPU engine gets an
-    MLA backend that does).
+Upstream: ``TorchNativeAttnBackend._run_sdpa_forward_extend`` and ``_run_sdpa_forward_decode``,
+    the prefill / chunked-prefill and decode attention of the ``torch_native`` backend. On the
+    CPU engine the MLA layers of Kimi-Linear run absorbed (``patches/mla_cpu.py``):
+    ``forward_absorb_core`` -> ``attn_mqa`` (RadixAttention) -> ``HybridLinearAttnBackend`` ->
+    ``TorchNativeAttnBackend.forward_extend`` / ``forward_decode`` -> these methods, with 4 query
+    heads of ``kv_lora_rank + rope`` columns over the single-head latent pool (the value buffer
+    is a leading-column view of the key buffer).
+Why: upstream's extend pads each request's query to the whole sequence (prefix + chunk) and runs
+    causal SDPA over all of it, keeping only the chunk's rows: every chunked-prefill round costs
+    and allocates the whole sequence squared (a 32k prompt took the scheduler to 23 GB and the
+    OOM killer; chunk 64 on a 6k prompt was 23x slower than chunk 4096). Its decode gathers the
+    latent rows twice (as keys and as values) and runs grouped SDPA per request: at 4,000 tokens
+    of context it was 64% of a decode step, and decode steps grew from 10 to 49 ms as 4 streams
+    went from 500 to 4,000 tokens (``benchmark/mla_decode_cpu.py``: 38 ms against 3.6 ms).
+How: wraps both methods; for self-attention without encoder or sliding window (every call the
+    CPU path of Kimi-Linear makes; causal for extend) they run :func:`sglang_kda.cpu.
+    mla_attention.extend_attention_batch` / :func:`~sglang_kda.cpu.mla_attention.
+    decode_attention_batch` instead: the new rows against their context, blockwise over the
+    cached rows with an online softmax (memory: new rows + one key block), gathering each latent
+    row once. Any other call goes to upstream's method unchanged. The first use of each is
+    logged once per process (the server tests look for those lines).
+Remove when: upstream's torch_native attention attends only the new rows and reads a shared
+    latent row once (or the CPU engine gets an MLA backend that does).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ UPSTREAM = "sglang.srt.layers.attention.torch_native_backend"
 logger = logging.getLogger(__name__)
 
 LOG_LINE = "sglang_kda: blockwise extend attention in use"
+DECODE_LOG_LINE = "sglang_kda: latent-row decode attention in use"
 
 TRACE_ENV = "SGLANG_KDA_EXTEND_TRACE"
 """If set to a file path, each extend attention call appends one JSON line there (start time,
@@ -50,14 +56,19 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cpu.mla_attention import DEFAULT_KEY_BLOCK, extend_attention_batch
+    from sglang_kda.cpu.mla_attention import (
+        DEFAULT_KEY_BLOCK,
+        decode_attention_batch,
+        extend_attention_batch,
+    )
 
     mod = importlib.import_module(UPSTREAM)
     cls = mod.TorchNativeAttnBackend
     orig = cls._run_sdpa_forward_extend
     if getattr(orig, "_sglang_kda", False):
         return
-    state = {"logged": False}
+    orig_decode = cls._run_sdpa_forward_decode
+    state = {"logged": False, "decode_logged": False}
     trace_path = os.environ.get(TRACE_ENV)
     key_block = int(os.environ.get(KEY_BLOCK_ENV) or DEFAULT_KEY_BLOCK)
 
@@ -151,3 +162,62 @@ def apply(ctx) -> None:
     _run_sdpa_forward_extend._sglang_kda = True
     _run_sdpa_forward_extend.__wrapped__ = orig
     cls._run_sdpa_forward_extend = _run_sdpa_forward_extend
+
+    def _run_sdpa_forward_decode(
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
+        plain = (
+            not causal
+            and encoder_lens is None
+            and not is_cross_attn
+            and (sliding_window_size is None or sliding_window_size <= -1)
+            and query.shape[0] == seq_lens.shape[0]
+        )
+        if not plain:
+            return orig_decode(
+                self,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                encoder_lens,
+                scaling,
+                enable_gqa,
+                causal,
+                is_cross_attn,
+                sliding_window_size,
+            )
+        if not state["decode_logged"]:
+            state["decode_logged"] = True
+            logger.info("%s: q heads %d x %d", DECODE_LOG_LINE, query.shape[1], query.shape[2])
+        return decode_attention_batch(
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices.tolist(),
+            seq_lens.tolist(),
+            scaling,
+            key_block=key_block,
+        )
+
+    _run_sdpa_forward_decode._sglang_kda = True
+    _run_sdpa_forward_decode.__wrapped__ = orig_decode
+    cls._run_sdpa_forward_decode = _run_sdpa_forward_decode

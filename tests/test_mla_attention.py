@@ -3,7 +3,9 @@
 * a float64 full-matrix causal softmax at awkward shapes (chunk and prefix not multiples of the
   key block, a single row, GQA, separate value pools, values wider than keys);
 * SGLang's own ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (the method the patch
-  replaces) on a ragged batch laid out like SGLang's, over an MLA-style latent pool.
+  replaces) on a ragged batch laid out like SGLang's, over an MLA-style latent pool;
+* the decode step (one row per request over its whole context) against the float64 reference
+  and against SGLang's ``_run_sdpa_forward_decode``.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def test_patch_routes_plain_calls_and_keeps_others():
     from sglang_kda.patches import mla_extend_cpu
 
     saved = tnb.TorchNativeAttnBackend._run_sdpa_forward_extend
+    saved_decode = tnb.TorchNativeAttnBackend._run_sdpa_forward_decode
     try:
         mla_extend_cpu.apply(None)
         wrapped = tnb.TorchNativeAttnBackend._run_sdpa_forward_extend
@@ -180,3 +183,88 @@ def test_patch_routes_plain_calls_and_keeps_others():
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     finally:
         tnb.TorchNativeAttnBackend._run_sdpa_forward_extend = saved
+        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = saved_decode
+
+
+def _decode_batch(seed, n_pool, hk, d, dv, seq_lens, pool_idx, latent=True):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n_pool, hk, d, generator=g)
+    v = k[..., :dv] if latent else torch.randn(n_pool, hk, dv, generator=g)
+    req_to_token = torch.zeros(max(pool_idx) + 1, max(seq_lens) + 3, dtype=torch.int64)
+    perm = torch.randperm(n_pool, generator=g)
+    used = 0
+    for r, sl in zip(pool_idx, seq_lens, strict=True):
+        req_to_token[r, :sl] = perm[used : used + sl]
+        used += sl
+    return k, v, req_to_token
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["latent", "separate"])
+@pytest.mark.parametrize("key_block", [4, 64, 8192])
+def test_decode_matches_reference(latent, key_block):
+    """Each row attends its request's whole context (lengths 1, 2, 7, 300: a lone token, blocks
+    split at awkward places), vs the float64 reference read as a one-row chunk."""
+    seq_lens, pool_idx = [1, 2, 7, 300], [2, 0, 5, 1]
+    hq, hk, d, dv = 4, 1 if latent else 2, 24, 16 if latent else 24
+    k, v, rtt = _decode_batch(7, 400, hk, d, dv, seq_lens, pool_idx, latent)
+    q = torch.randn(len(seq_lens), hq, d, generator=torch.Generator().manual_seed(8))
+    out = q.new_full((len(seq_lens), hq, dv), float("nan"))
+    ma.decode_attention_batch(q, out, k, v, rtt, pool_idx, seq_lens, 0.3, key_block=key_block)
+    for i, (r, sl) in enumerate(zip(pool_idx, seq_lens, strict=True)):
+        want = reference(q[i : i + 1], k, v, rtt[r, :sl], sl - 1, 0.3)
+        torch.testing.assert_close(out[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_matches_sglang_torch_native_decode_and_rejects_bad_input():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    upstream = TorchNativeAttnBackend._run_sdpa_forward_decode
+    upstream = getattr(upstream, "__wrapped__", upstream)
+    seq_lens, pool_idx = [5, 130, 64], [1, 3, 0]
+    k, v, rtt = _decode_batch(11, 300, 1, 80, 64, seq_lens, pool_idx)
+    q = torch.randn(3, 4, 80, generator=torch.Generator().manual_seed(12))
+    want = q.new_zeros(3, 4, 64)
+    me = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    upstream(
+        me, q, want, k, v, rtt, torch.tensor(pool_idx), torch.tensor(seq_lens),
+        scaling=0.2, enable_gqa=True,
+    )  # fmt: skip
+    got = q.new_zeros(3, 4, 64)
+    ma.decode_attention_batch(q, got, k, v, rtt, pool_idx, seq_lens, 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="3 query rows for 2 sequences"):
+        ma.decode_attention_batch(q, got, k, v, rtt, pool_idx[:2], seq_lens[:2], 0.2)
+    with pytest.raises(ValueError, match="sequence 1 has 0 tokens"):
+        ma.decode_attention_batch(q, got, k, v, rtt, pool_idx, [5, 0, 64], 0.2)
+
+
+def test_patch_routes_plain_decode_and_keeps_others():
+    from sglang.srt.layers.attention import torch_native_backend as tnb
+
+    from sglang_kda.patches import mla_extend_cpu
+
+    saved = (
+        tnb.TorchNativeAttnBackend._run_sdpa_forward_extend,
+        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode,
+    )
+    try:
+        mla_extend_cpu.apply(None)
+        wrapped = tnb.TorchNativeAttnBackend._run_sdpa_forward_decode
+        assert wrapped._sglang_kda and wrapped.__wrapped__ is getattr(
+            saved[1], "__wrapped__", saved[1]
+        )
+        seq_lens, pool_idx = [9, 20], [0, 1]
+        k, v, rtt = _decode_batch(13, 60, 2, 8, 8, seq_lens, pool_idx, latent=False)
+        q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(14))
+        me = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
+        lens = (torch.tensor(pool_idx), torch.tensor(seq_lens))
+        for kw in ({}, {"sliding_window_size": 3}):
+            a, b = q.new_zeros(2, 4, 8), q.new_zeros(2, 4, 8)
+            wrapped(me, q, a, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
+            wrapped.__wrapped__(me, q, b, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    finally:
+        (
+            tnb.TorchNativeAttnBackend._run_sdpa_forward_extend,
+            tnb.TorchNativeAttnBackend._run_sdpa_forward_decode,
+        ) = saved

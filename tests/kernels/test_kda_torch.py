@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sglang_kda.kernels.kda_torch import (
     kda_extend_pool,
     kda_gate,
 )
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
@@ -465,7 +467,11 @@ def test_decode_pool_steps_match_naive(layout: str, lower_bound) -> None:
             xs = [x.unsqueeze(0) for x in xs]
         outs.append(
             kda_decode_pool(
-                *xs, A_log=A_log, dt_bias=dt_bias, ssm_states=pool, cache_indices=idx,
+                *xs,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                ssm_states=pool,
+                cache_indices=idx,
                 lower_bound=lower_bound,
             )  # fmt: skip
         )
@@ -542,3 +548,41 @@ def test_decode_pool_matches_sglang_triton_decode(lower_bound, sglang_triton_op)
     )  # fmt: skip
     torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(pool, pool_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_extend_one_token_sequences_take_a_step(pool_dtype) -> None:
+    """A mixed round's batch (a slice plus running decodes as one-token sequences, some ending on
+    the grid, one a pad slot, all one-token ones too) == each sequence run on its own."""
+    H, K, V = 2, 16, 32
+    for lens, prefixes, idx in (
+        ([64, 1, 70, 1, 1, 1], [128, 63, 10, 200, 127, 5], [4, 1, 6, 2, 0, -1]),
+        ([1, 1, 1], [63, 0, 64], [3, 5, 1]),
+    ):
+        T = sum(lens)
+        cu = torch.tensor([0, *itertools.accumulate(lens)])
+        q, k, v, g_raw, b_raw = make_raw_inputs(T, H, K, V, seed=21)
+        A_log, dt_bias = make_params(H, K)
+        pool = (torch.randn(8, H, V, K, generator=_gen(22)) * 0.5).to(pool_dtype)
+        solo_pool = pool.clone()
+        o, ck = kda_extend_pool(
+            q, k, v, g_raw, b_raw, A_log=A_log, dt_bias=dt_bias, ssm_states=pool,
+            cache_indices=torch.tensor(idx), cu_seqlens=cu, checkpoint_every=64,
+            prefix_lens=prefixes,
+        )  # fmt: skip
+        want_rows, want_states = [], []
+        for i, (a, b) in enumerate(itertools.pairwise(cu.tolist())):
+            oi, cki = kda_extend_pool(
+                q[:, a:b], k[:, a:b], v[:, a:b], g_raw[:, a:b], b_raw[:, a:b],
+                A_log=A_log, dt_bias=dt_bias, ssm_states=solo_pool,
+                cache_indices=torch.tensor([idx[i]]), cu_seqlens=torch.tensor([0, b - a]),
+                checkpoint_every=64, prefix_lens=[prefixes[i]],
+            )  # fmt: skip
+            assert rel_err(o[:, a:b], oi) < 1e-5
+            want_rows += [(i, p) for p in cki.positions.tolist()]
+            want_states.append(cki.states)
+        assert list(zip(ck.seq_idx.tolist(), ck.positions.tolist())) == want_rows
+        assert rel_err(ck.states, torch.cat(want_states)) < 1e-5
+        tol = 1e-2 if pool_dtype == torch.bfloat16 else 1e-5
+        assert rel_err(pool.float(), solo_pool.float()) < tol
+        assert ck.states.dtype == torch.float32
