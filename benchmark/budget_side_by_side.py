@@ -10,7 +10,13 @@ being prefilled, against the decode-only ITL. Configurations, one server each, o
 - ``--kda-policy kda --kda-budget serial`` with a generous deadline (the default ITL target
   1.2x decode-only), with explicit ITL targets, and with a tight per-request deadline
   (``custom_params.ttft_deadline_ms`` = 1.5x the prompt's time alone, measured on the same
-  server with no decode running).
+  server with no decode running);
+- the same with pacing (``--kda-pace-every N``, ``--pace-every``, default 200): decode alone in
+  most rounds, the prompt's slices in one round in N as bursts sized by the skipped rounds'
+  headroom; generous and tight deadlines.
+
+Every case also measures a decode-only window after the prompt (``itl_after_*``): the streams'
+contexts grow while the prompt is prefilled, and a decode step costs more at longer context.
 
 Experiment 2 (``cuts``): the long prompt is sent once (filling the checkpoint cache), the cache
 keeps it, then the same prompt with a different tail arrives while decodes run: with the serial
@@ -127,10 +133,15 @@ def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) ->
     time.sleep(args.baseline_s)
     base1 = time.monotonic()
     res = long_request(server.url, tokens.take(args.long), deadline_ms)
-    time.sleep(0.3)
+    # A second decode-only window after the prompt: the streams' contexts have grown meanwhile
+    # (the more, the longer the prefill took), and a decode step costs more at longer context.
+    after0 = res["t1"] + 0.5
+    time.sleep(0.5 + args.baseline_s)
+    after1 = time.monotonic()
     for s in streams:
         s.stop.set()
     base = [x for s in streams for x in s.itls(base0, base1)]
+    after = [x for s in streams for x in s.itls(after0, after1)]
     # Up to the first decode token after the prompt's answer: a stall shows in the gap.
     during = [x for s in streams for x in s.itls(res["t0"], res["t1"] + 0.3)]
     gap = max(during, default=0.0)
@@ -143,6 +154,8 @@ def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) ->
         "deadline_met": None if deadline_ms is None else res["ttft_s"] * 1e3 <= deadline_ms,
         "itl_base_p50_ms": 1e3 * pct(base, 50),
         "itl_base_p99_ms": 1e3 * pct(base, 99),
+        "itl_after_p50_ms": 1e3 * pct(after, 50),
+        "itl_after_p99_ms": 1e3 * pct(after, 99),
         "itl_p50_ms": 1e3 * pct(during, 50),
         "itl_p99_ms": 1e3 * pct(during, 99),
         "itl_max_ms": 1e3 * gap,
@@ -194,6 +207,10 @@ def experiment_slices(args, model: str) -> list[dict]:
             )
         )
     configs.append(("serial tight deadline", "kda", ["--kda-budget", "serial"], "tight"))
+    if args.pace_every:
+        paced = ["--kda-budget", "serial", "--kda-pace-every", str(args.pace_every)]
+        for deadline in ("generous", "tight"):
+            configs.append((f"serial paced {args.pace_every} {deadline}", "kda", paced, deadline))
     log_dir = OUT / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for label, policy, extra, deadline in configs:
@@ -319,6 +336,12 @@ def main() -> int:
     p.add_argument("--stock-chunks", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--itl-targets", type=float, nargs="+", default=[0, 60])
     p.add_argument("--odd-chunk", type=int, default=1000)
+    p.add_argument(
+        "--pace-every",
+        type=int,
+        default=200,
+        help="also run the serial policy with --kda-pace-every N (generous and tight); 0: not",
+    )
     p.add_argument("--only", choices=["slices", "cuts"], default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -12,14 +12,14 @@ How: the seam is the two per-round inputs upstream already reads at the top of
     ``_get_new_batch_prefill_raw``: ``self.chunked_prefill_size`` (the round's chunk budget, read
     into a local) and ``self.is_mixed_chunk`` (read once at the end, to mix decode in). Each
     round, :func:`sglang_kda.policy.budget.plan_round` decides from predicted costs and deadlines
-    how many prefill tokens the round takes and whether decode rides along (``share``/``grow``:
-    mixed; ``alone``: prefill only, decode waits); the wrapper sets both for the call and puts
-    them back. ``pace`` (even one grid step overshoots the round budget, as predicted or as
-    observed on the last shared round; the lone prefill has slack; fewer than
-    ``--kda-pace-every`` - 1 decode-only rounds since its last slice): the
-    wrapper returns no prefill batch, so the round is decode alone; an in-flight chunked request
-    was already stashed by ``get_next_batch_to_run`` (``prefix_len = extend_end``) and resumes
-    in a later round. Upstream's ``PrefillAdder`` then admits and cuts as always (on the
+    how many prefill tokens the round takes and whether decode rides along (``share``/``grow``/
+    ``burst``: mixed; ``alone``: prefill only, decode waits); the wrapper sets both for the call
+    and puts them back. ``pace`` (``--kda-pace-every``; even one grid step overshoots the round
+    budget, as predicted or as observed on the last shared round; the lone prefill has slack;
+    fewer than N - 1 rounds with decode and no slice since the last slice): the wrapper returns
+    no prefill batch, so the round is decode alone; an in-flight chunked request was already
+    stashed by ``get_next_batch_to_run`` (``prefix_len = extend_end``) and resumes with the next
+    ``burst``. Upstream's ``PrefillAdder`` then admits and cuts as always (on the
     checkpoint grid by ``patches/schedule_policy.py``), so every upstream memory and budget
     check still holds.
     The prefill at the head of the plan (earliest deadline among those at risk) is moved to the
@@ -74,7 +74,7 @@ class BudgetRuntime:
     step_start: float | None = None
     step_shape: object = None
     last_drift_log: int = -(10**9)
-    since_slice: int = 0  # decode-only rounds the pacing ran since the last prefill slice
+    since_slice: int = 0  # rounds with decode and no prefill slice since the last slice (capped)
     slice_overshoot: bool = False  # the last shared round took longer than its budget
 
     def report(self) -> dict:
@@ -248,6 +248,7 @@ def _build(sched) -> BudgetRuntime | None:
         book=DeadlineBook(cfg),
         reject=kcfg.reject_infeasible == "on",
         path=path,
+        since_slice=cfg.pace_every,  # a fresh server has no slice to space from
     )
 
 
@@ -315,13 +316,15 @@ def apply(ctx) -> None:
         )
         st.last_plan = plan
         if plan.rid is None:
+            if running_batch.reqs:  # a round with decode and no prefill: the pacing's count
+                st.since_slice = min(st.since_slice + 1, st.cfg.pace_every)
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         st.rounds[plan.mode] = st.rounds.get(plan.mode, 0) + 1
         _inc("rounds", mode=plan.mode)
         if plan.mode == "pace":
             # Decode alone this round. An in-flight chunked request was already stashed by
             # get_next_batch_to_run (prefix_len = extend_end), so it simply resumes later.
-            st.since_slice += 1
+            st.since_slice = min(st.since_slice + 1, st.cfg.pace_every)
             return None, running_batch
         st.since_slice = 0
         head = present.get(plan.rid) if chunked is None else None

@@ -10,9 +10,11 @@ from sglang_kda.policy.budget import (
     BudgetConfig,
     DeadlineBook,
     Prefill,
+    burst_slice,
     deadline_of,
     finish_time,
     fit_slice,
+    paced_finish_time,
     plan_round,
     round_budget,
     slack,
@@ -360,25 +362,54 @@ def _paced_run(cfg, p, decode, max_rounds=100_000):
 
 def test_pacing_keeps_over_budget_rounds_a_small_fraction_and_meets_the_deadline():
     """When one grid step already overshoots the round budget and the deadline is generous, at
-    most one round in ``pace_every`` carries a slice; the prefill still finishes in time."""
+    most one round in ``pace_every`` carries a slice (a burst: it fits the round budget plus the
+    headroom of the rounds it stands for); the prefill still finishes in time."""
     # a target between the decode-only step (21.3 ms) and decode + one grid step (23.8 ms)
     cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=200)
     budget = round_budget(MODEL, DECODE, cfg)
-    assert MODEL.predict(BatchShape.of(DECODE)) < budget < round_cost(DECODE, 0, 64)
+    dec = MODEL.predict(BatchShape.of(DECODE))
+    assert dec < budget < round_cost(DECODE, 0, 64)
     p = Prefill("long", deadline=10_000.0, done=0, total=3000)
     kinds, finish = _paced_run(cfg, p, DECODE)
     slices = [k for k in kinds if k != "decode"]
     assert p.remaining == 0 and finish <= p.deadline
     assert len(slices) / len(kinds) <= 1 / cfg.pace_every + 1e-9
-    assert all(k == "share" for k in slices)
+    assert set(slices) == {"burst"}
+    # each burst takes what the skipped rounds' headroom pays for: here 200 x 0.7 ms
+    q = Prefill("q", deadline=10_000.0, done=0, total=30_000)
+    n = burst_slice(MODEL, DECODE, q, budget, cfg)
+    assert n > 64 and n % 64 == 0
+    assert round_cost(DECODE, 0, n) <= budget + cfg.pace_every * (budget - dec)
+    assert round_cost(DECODE, 0, n + 64) > budget + cfg.pace_every * (budget - dec)
+
+
+def test_pacing_counts_quiet_rounds_and_bursts_at_once_after_them():
+    """A prompt arriving after pace_every - 1 rounds with decode and no prefill is not held back:
+    its first round is a burst; one arriving right after a slice waits, unless it is within one
+    grid step."""
+    cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=200)
+    p = Prefill("p", deadline=10_000.0, done=0, total=500)
+    plan = plan_round(MODEL, cfg, 0.0, DECODE, [p], since_slice=cfg.pace_every)
+    assert plan.mode == "burst" and plan.tokens >= 500
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [p], since_slice=0).mode == "pace"
+    # a prompt within one grid step is not penalised: never paced
+    short = Prefill("s", deadline=10_000.0, done=0, total=cfg.grid)
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [short], since_slice=0).mode == "share"
 
 
 def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():
     cfg = BudgetConfig(itl_target_s=0.022, grid=64, max_slice=4096, pace_every=200)
     total = 3000
-    alone = MODEL.alone_time(0, total, cfg.max_slice)
+    budget = round_budget(MODEL, DECODE, cfg)
+    probe = Prefill("long", deadline=0.0, done=0, total=total)
+    share = fit_slice(MODEL, DECODE, 0, total, budget, cfg.grid, cfg.max_slice)
+    shared = finish_time(MODEL, DECODE, probe, share, cfg) * cfg.safety
+    paced = paced_finish_time(
+        MODEL, DECODE, probe, burst_slice(MODEL, DECODE, probe, budget, cfg), cfg
+    )
+    assert shared < paced * cfg.safety
     # a deadline that sharing every round meets but pacing would not: no pacing
-    p = Prefill("long", deadline=40 * alone, done=0, total=total)
+    p = Prefill("long", deadline=(shared + paced * cfg.safety) / 2, done=0, total=total)
     kinds, finish = _paced_run(cfg, p, DECODE)
     assert "decode" not in kinds and finish <= p.deadline
     # no counter (None), or pace_every 0: a slice every round

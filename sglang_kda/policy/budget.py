@@ -16,14 +16,18 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   its deadline, its slice grows to the smallest size that still finishes in time with decode
   riding along each round (``grow``); when even the largest slice cannot, the prefill runs alone
   (``alone``: no decode in the round). With no decode running the prefill takes the largest slice.
-* **Pacing** (``pace``): when even the smallest slice (one grid step) makes the round overshoot
-  its budget, a lone prefill with slack to spare does not take a slice every round: at most one
-  round in ``pace_every`` carries its slice, the others run decode alone, as long as the paced
-  finish still meets the deadline (else ``share``, ``grow``, ``alone`` as above). Over-budget
-  decode gaps then stay a ``1 / pace_every`` fraction of all gaps, so the decode ITL percentiles
-  below that fraction keep the target. Only while no other prefill waits (a waiting prompt is
-  never held back by pacing). The caller counts the rounds since the last slice
-  (``since_slice``); ``None`` turns pacing off.
+* **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
+  slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
+  does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
+  since the last slice; then one round (``burst``) takes the slice that fits the round budget
+  plus the headroom of the N rounds it stands for (``N x (budget - decode step)``), so decode
+  keeps its budget on average and over-budget gaps stay a ``1 / N`` fraction of all gaps (the
+  ITL percentiles below that fraction keep the target). Rounds without a prefill count too: a
+  prompt arriving after N quiet rounds gets its burst at once. Only while the paced finish
+  meets the deadline (else ``share``, ``grow``, ``alone`` as above), no other prefill waits
+  (a waiting prompt is never held back by pacing) and more than one grid step is left (a
+  request within one grid step is not penalised). The caller counts the rounds with decode
+  since the last slice (``since_slice``); ``None`` turns pacing off.
 * Slices end on the checkpoint grid (:func:`sglang_kda.policy.grid.aligned_chunk_len` semantics):
   the slice is the longest grid-aligned one whose predicted round fits the budget, and at least
   up to the next grid point (a round never makes zero progress; the budget is overspent by at
@@ -42,7 +46,7 @@ from typing import Iterable, Sequence
 
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 
-MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace")
+MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace", "burst")
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,9 @@ class BudgetConfig:
     grid: the checkpoint grid (cuts end on it).
     max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
     safety: remaining-time predictions are multiplied by this before comparing with deadlines.
-    pace_every: with pacing, at most one round in this many carries an over-budget slice
-        (0 or 1: no pacing, the default). 200 keeps over-budget gaps at 0.5% of decode gaps.
+    pace_every: with pacing, at most one round in this many carries an over-budget slice, a
+        burst sized by the headroom of the rounds it stands for (0 or 1: no pacing, the
+        default). 200 keeps over-budget gaps at 0.5% of decode gaps.
     """
 
     itl_target_s: float | None = None
@@ -211,6 +216,16 @@ def finish_time(
     return n * per_round + model.prefill_work(p.done, p.total)
 
 
+def burst_slice(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, budget: float, cfg: BudgetConfig
+) -> int:
+    """The slice of a paced round: it fits the round budget plus the headroom (``budget`` minus
+    the decode-only step) of the ``cfg.pace_every`` rounds it stands for; at least one step."""
+    headroom = max(0.0, budget - model.predict(BatchShape.of(decode_ctx)))
+    time_s = budget + cfg.pace_every * headroom
+    return fit_slice(model, decode_ctx, p.done, p.remaining, time_s, cfg.grid, cfg.max_slice)
+
+
 def paced_finish_time(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, s: int, cfg: BudgetConfig
 ) -> float:
@@ -285,8 +300,9 @@ def plan_round(
     since_slice: int | None = None,
     slice_overshoots: bool = False,
 ) -> Plan:
-    """Plan one round; see the module docstring. ``since_slice``: decode-only rounds run since
-    the last round that carried a prefill slice (``None``: no pacing). ``slice_overshoots``: the
+    """Plan one round; see the module docstring. ``since_slice``: rounds with decode running
+    and no prefill slice (paced, or with no prefill waiting) since the last round that carried
+    one (``None``: no pacing; callers may cap it at ``cfg.pace_every``). ``slice_overshoots``: the
     last shared round was observed to overshoot its budget (pacing then applies even where the
     model predicts the slice fits)."""
     budget = round_budget(model, decode_ctx, cfg)
@@ -305,16 +321,23 @@ def plan_round(
     if not decode_ctx:
         return planned("prefill_only", cfg.max_slice, False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
-    if since_slice is not None and cfg.pace_every > 1 and len(pending) == 1:
+    if (
+        since_slice is not None
+        and cfg.pace_every > 1
+        and len(pending) == 1
+        and head.remaining > cfg.grid  # a prompt within one grid step is not held back
+    ):
         over = slice_overshoots or (
             model.predict(BatchShape(tuple(decode_ctx), (Slice(head.done, share),))) > budget
         )
-        paced = paced_finish_time(model, decode_ctx, head, share, cfg)
-        if over and paced * cfg.safety <= head.deadline - now:
-            if since_slice < cfg.pace_every - 1:
-                dec = model.predict(BatchShape.of(decode_ctx))
-                return Plan("pace", head.rid, 0, True, budget, dec, sl)
-            return planned("share", share, True, budget)
+        if over:
+            burst = burst_slice(model, decode_ctx, head, budget, cfg)
+            paced = paced_finish_time(model, decode_ctx, head, burst, cfg)
+            if paced * cfg.safety <= head.deadline - now:
+                if since_slice < cfg.pace_every - 1:
+                    dec = model.predict(BatchShape.of(decode_ctx))
+                    return Plan("pace", head.rid, 0, True, budget, dec, sl)
+                return planned("burst", burst, True, budget)
     if finish_time(model, decode_ctx, head, share, cfg) * cfg.safety <= head.deadline - now:
         return planned("share", share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)

@@ -16,7 +16,7 @@ model, :mod:`sglang_kda.sim.costs`) and the clock:
 * the serial-aware budget and deadlines: :func:`sglang_kda.policy.budget.plan_round` and
   :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set), including its
   opt-in pacing (``BudgetConfig.pace_every``: a ``pace`` round is decode alone and leaves the
-  in-flight chunked request for a later round, as the server's wrapper does).
+  in-flight chunked request for the next ``burst`` round, as the server's wrapper does).
 
 A round (:meth:`Rank.step`) is built as SGLang's ``get_new_batch_prefill`` builds it (non-overlap
 scheduler): the in-flight chunked request first (``kda``: it first re-matches the tree and jumps to
@@ -215,7 +215,8 @@ class Rank:
         self.book = budget_mod.DeadlineBook(cfg.budget) if cfg.kda and cfg.budget else None
         self.infeasible: list[str] = []
         self.twin_waits = 0
-        self.since_slice = 0  # budget pacing: decode-only rounds since the last prefill slice
+        # budget pacing: rounds with decode and no slice since the last slice (fresh: none)
+        self.since_slice = cfg.budget.pace_every if cfg.budget is not None else 0
         self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
@@ -284,9 +285,13 @@ class Rank:
                 since_slice=self.since_slice if decode_ctx else None,
             )
             mode = plan.mode
+            cap = cfg.budget.pace_every
             if plan.mode == "pace":  # decode alone this round (the server returns no prefill)
-                self.since_slice += 1
-            elif plan.rid is not None:
+                self.since_slice = min(self.since_slice + 1, cap)
+            elif plan.rid is None:
+                if decode_ctx:  # decode and no prefill: counts for the pacing, as on the server
+                    self.since_slice = min(self.since_slice + 1, cap)
+            else:
                 self.since_slice = 0
                 chunk_budget = max(1, plan.tokens)
                 mix = plan.mix_decode
