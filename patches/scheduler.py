@@ -32,8 +32,9 @@ How: the seam is the two per-round inputs upstream already reads at the top of
     ``--kda-reject-infeasible on``). ``run_batch`` + ``process_batch_result`` time each step and
     feed the cost model's online fit (:class:`sglang_kda.policy.cost_model.OnlineFit`; loaded from
     and saved to ``--kda-cost-model`` or a cache file per model/device/dtype); the relative
-    prediction error is exported and logged when it drifts. A finished prefill records its
-    deadline met or missed and its slack. Only with ``--kda-budget serial`` (and
+    prediction error is exported and logged when it drifts, and raises the plan's deadline
+    margin to 1 + that error (:func:`sglang_kda.policy.budget.with_margin`). A finished prefill
+    records its deadline met or missed and its slack. Only with ``--kda-budget serial`` (and
     ``--kda-policy kda``), models with KDA layers, chunked prefill on, and one TP rank (the plan
     uses local timing; TP ranks would need to agree on it): otherwise upstream runs untouched.
 Remove when: upstream schedules prefill by predicted time with deadlines (no such plan upstream).
@@ -255,7 +256,7 @@ def _build(sched) -> BudgetRuntime | None:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.policy.budget import plan_round
+    from sglang_kda.policy.budget import plan_round, with_margin
 
     cls = importlib.import_module(UPSTREAM).Scheduler
     if getattr(cls, "_sglang_kda_budget_patched", False):
@@ -306,7 +307,7 @@ def apply(ctx) -> None:
         decode_ctx = [max(0, r.seqlen - 1) for r in running_batch.reqs]
         plan = plan_round(
             st.fit.model,
-            st.cfg,
+            with_margin(st.cfg, st.fit.error_ema),
             now,
             decode_ctx,
             book.pending(present),

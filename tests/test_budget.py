@@ -19,6 +19,7 @@ from sglang_kda.policy.budget import (
     round_budget,
     slack,
     slice_end,
+    with_margin,
 )
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 
@@ -435,3 +436,19 @@ def test_an_observed_overshoot_turns_pacing_on_where_the_model_says_the_slice_fi
         MODEL, cfg, 0.0, DECODE, [p], inflight="q", since_slice=0, slice_overshoots=True
     )
     assert plan.mode == "pace"
+
+
+def test_the_deadline_margin_follows_the_cost_models_observed_error():
+    """Off by 30% on recent steps: deadlines are planned with a 1.3x margin, so a prefill that
+    sharing would finish only within the nominal 1.1x margin grows its slices instead."""
+    cfg = BudgetConfig(grid=64, max_slice=4096)
+    assert with_margin(cfg, None) is cfg and with_margin(cfg, 0.05) is cfg
+    assert with_margin(cfg, 0.3).safety == pytest.approx(1.3)
+    assert with_margin(cfg, 5.0).safety == 2.0  # capped
+    p = Prefill("q", deadline=0.0, done=0, total=3000)
+    budget = round_budget(MODEL, DECODE, cfg)
+    share = fit_slice(MODEL, DECODE, 0, 3000, budget, cfg.grid, cfg.max_slice)
+    t = finish_time(MODEL, DECODE, p, share, cfg)
+    p.deadline = 1.2 * t
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [p]).mode == "share"
+    assert plan_round(MODEL, with_margin(cfg, 0.3), 0.0, DECODE, [p]).mode in ("grow", "alone")

@@ -41,7 +41,7 @@ Pure: time is an argument (seconds, any epoch), costs come from the model; no cl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
@@ -57,7 +57,8 @@ class BudgetConfig:
     ttft_deadline_s / deadline_s_per_1k: the default deadline of a prefill.
     grid: the checkpoint grid (cuts end on it).
     max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
-    safety: remaining-time predictions are multiplied by this before comparing with deadlines.
+    safety: remaining-time predictions are multiplied by this before comparing with deadlines
+        (the server raises it to 1 + the cost model's recent error, :func:`with_margin`).
     pace_every: with pacing, at most one round in this many carries an over-budget slice, a
         burst sized by the headroom of the rounds it stands for (0 or 1: no pacing, the
         default). 200 keeps over-budget gaps at 0.5% of decode gaps.
@@ -116,6 +117,16 @@ class Plan:
     budget_s: float
     predicted_s: float
     slack_s: float | None = None
+
+
+def with_margin(cfg: BudgetConfig, error: float | None) -> BudgetConfig:
+    """``cfg`` with its safety factor raised to ``1 + error`` (capped at 2x): ``error`` is the cost
+    model's recent relative prediction error on real steps, so a deadline keeps its margin when
+    the predictions it is planned on are off by more than ``cfg.safety`` allows."""
+    if error is None:
+        return cfg
+    safety = max(cfg.safety, 1.0 + min(max(error, 0.0), 1.0))
+    return cfg if safety == cfg.safety else replace(cfg, safety=safety)
 
 
 def deadline_of(
