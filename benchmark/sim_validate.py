@@ -25,7 +25,7 @@ For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model
 
 Latency errors are computed on the p50 figures and the p99 figures (``--latency-metrics``);
 both are listed in the table. With ``--repeat N`` (N >= 2) every workload runs N times on the
-server; the simulator is compared with the mean of the N runs' figures (it predicts the expected
+server; the simulator is compared with the median of the N runs' figures (it predicts the typical
 run; one run carries the run-to-run noise), and the table also lists the first run alone, the
 simulator against it, and the second run against the first (the noise floor). The raw
 per-request records (calibration and workloads) are kept in
@@ -392,14 +392,15 @@ def compare(
     """One row per metric: server, simulator, their relative error, and (with a repeated server
     run) the server's own run-to-run error on the same trace, the noise floor.
 
-    With repeated runs, ``server`` is the mean of the runs' figures (the simulator predicts the
-    expected run, and one run carries the noise the repeat column shows) and ``error`` is the
-    simulator against that mean; ``server_first`` and ``error_first`` keep the first run alone.
+    With repeated runs, ``server`` is the median of the runs' figures (the simulator predicts the
+    typical run, and one run carries the noise the repeat column shows; the median keeps a run
+    disturbed by another process from moving it) and ``error`` is the simulator against it;
+    ``server_first`` and ``error_first`` keep the first run alone.
     Token counts must agree in every run."""
     rows = []
     runs = [real] + ([noise] if noise is not None else []) + list(more or [])
     for k in TOKENS + LATENCY:
-        a, b = float(np.mean([r[k] for r in runs])), sim[k]
+        a, b = float(np.median([r[k] for r in runs])), sim[k]
         if k in TOKENS:
             same = all(r[k] == real[k] for r in runs)
             a = real[k] if same else a
@@ -565,7 +566,7 @@ def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
         return "" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
     lines = [
-        "| workload | policy | metric | server (mean of runs) | sim | error | server run 1 | "
+        "| workload | policy | metric | server (median of runs) | sim | error | server run 1 | "
         "sim vs run 1 | server run 2 | run 2 vs run 1 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -598,7 +599,7 @@ def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
             f"server vs itself (same trace, run again): worst latency error "
             f"{max(reps) * 100:.1f}%, median {np.median(reps) * 100:.1f}%; simulator vs the "
             f"first run alone: worst {max(firsts) * 100:.1f}%, median "
-            f"{np.median(firsts) * 100:.1f}%; simulator vs the mean of {n_runs} runs: median "
+            f"{np.median(firsts) * 100:.1f}%; simulator vs the median of {n_runs} runs: median "
             f"{np.median(lat) * 100:.1f}%\n" + verdict
         )
     (OUT_DIR / "validate.md").write_text("\n".join(lines) + "\n\n" + verdict + "\n")
@@ -632,7 +633,7 @@ def main() -> int:
         type=int,
         default=2,
         help="runs of each workload on the server (2 or more: the simulator is compared with "
-        "the runs' mean, the second run against the first gives the noise floor)",
+        "the runs' median, the second run against the first gives the noise floor)",
     )
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()

@@ -27,8 +27,9 @@ How: the seam is the two per-round inputs upstream already reads at the top of
     rounds (upstream's ``--prefill-decode-interval``) was the other seam: it pays a forward's
     fixed cost twice per decode token and cannot give a slice less than a whole round.
     ``_add_request_to_queue`` gives a new request its deadline (server default or
-    ``sampling_params.custom_params.ttft_deadline_ms``) and flags it when it cannot meet it even
-    alone (log, ``sglang_kda_budget_infeasible_total``; refused with a 400 under
+    ``sampling_params.custom_params.ttft_deadline_ms``, counted from the tokenizer manager's
+    ``time_stats.created_time``, when the server took the request) and flags it when it cannot
+    meet it even alone (log, ``sglang_kda_budget_infeasible_total``; refused with a 400 under
     ``--kda-reject-infeasible on``). ``run_batch`` + ``process_batch_result`` time each step and
     feed the cost model's online fit (:class:`sglang_kda.policy.cost_model.OnlineFit`; loaded from
     and saved to ``--kda-cost-model`` or a cache file per model/device/dtype); the relative
@@ -156,6 +157,16 @@ def _override_s(req) -> float | None:
     return None
 
 
+def _arrival(req, now: float) -> float:
+    """When the request reached the server (``time.monotonic`` clock): the tokenizer manager
+    stamps ``time_stats.created_time`` (``time.perf_counter``, system-wide monotonic on Linux)
+    when it takes the request, before tokenizing it and handing it over; the deadline counts
+    from there, as the client's TTFT does. ``now`` where the stamp is missing or implausible."""
+    created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
+    waited = time.perf_counter() - created
+    return now - waited if created > 0 and 0 <= waited < 600 else now
+
+
 def _shape(batch):
     """The cost model's view of a batch about to run (None for an idle or unusual batch)."""
     from sglang_kda.policy.cost_model import BatchShape, Slice
@@ -272,7 +283,9 @@ def apply(ctx) -> None:
         if st is not None and not is_retracted and req.rid not in st.book.live:
             now = time.monotonic()
             total = len(req.origin_input_ids)
-            p, infeasible = st.book.admit(st.fit.model, req.rid, now, total, 0, _override_s(req))
+            p, infeasible = st.book.admit(
+                st.fit.model, req.rid, now, total, 0, _override_s(req), arrival=_arrival(req, now)
+            )
             if infeasible:
                 _inc("infeasible")
                 msg = (

@@ -452,3 +452,18 @@ def test_the_deadline_margin_follows_the_cost_models_observed_error():
     p.deadline = 1.2 * t
     assert plan_round(MODEL, cfg, 0.0, DECODE, [p]).mode == "share"
     assert plan_round(MODEL, with_margin(cfg, 0.3), 0.0, DECODE, [p]).mode in ("grow", "alone")
+
+
+def test_the_deadline_counts_from_when_the_tokenizer_manager_took_the_request():
+    import time
+    from types import SimpleNamespace as NS
+
+    from sglang_kda.patches.scheduler import _arrival
+
+    now = time.monotonic()
+    stamped = NS(time_stats=NS(created_time=time.perf_counter() - 0.25))
+    assert now - 0.3 < _arrival(stamped, now) < now - 0.2
+    # no stamp, or one from another clock: the queue time
+    assert _arrival(NS(time_stats=NS(created_time=0.0)), now) == now
+    assert _arrival(NS(), now) == now
+    assert _arrival(NS(time_stats=NS(created_time=time.perf_counter() + 5)), now) == now
