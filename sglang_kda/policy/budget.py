@@ -70,7 +70,7 @@ class BudgetConfig:
     deadline_s_per_1k: float = 1.0
     grid: int = 64
     max_slice: int = 4096
-    safety: float = 1.1
+    safety: float = 1.2
     pace_every: int = 0
 
     def __post_init__(self) -> None:
