@@ -15,6 +15,10 @@ How: :class:`sglang_kda.perf_threads.ThreadPolicy` estimates the step's dense ar
     own thread count, restored after the call. With the launcher's default of one OpenMP thread
     on the 2-core box this changes nothing; it matters where the rank has several threads
     (``OMP_NUM_THREADS``, or more cores). Only on the CPU engine.
+    ``SGLANG_KDA_STEP_TRACE=FILE`` (any policy, off by default) appends one JSON line per step:
+    ``t0``/``t1`` (``time.perf_counter``, system-wide monotonic), ``mode``, and per sequence its
+    new tokens and cached context (``ext``/``pre``), so a run's rounds can be set beside the
+    simulator's (``benchmark/sim_validate.py``).
 Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets the thread count
     once per process).
 """
@@ -22,10 +26,26 @@ Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import time
 
 UPSTREAM = "sglang.srt.managers.tp_worker"
 logger = logging.getLogger(__name__)
+
+TRACE_ENV = "SGLANG_KDA_STEP_TRACE"
+
+
+def _trace(path: str, batch, t0: float, t1: float) -> None:
+    shape = step_shape(batch)
+    mode = getattr(getattr(batch, "forward_mode", None), "name", None)
+    row = {"t0": t0, "t1": t1, "mode": mode}
+    if shape is not None:
+        row["ext"] = [int(x) for x in shape.extend_lens]
+        row["pre"] = [int(x) for x in shape.prefix_lens]
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
 
 
 def wanted(ctx) -> bool:
@@ -86,13 +106,20 @@ def apply(ctx) -> None:
         return
     orig = cls.forward_batch_generation
 
+    trace = os.environ.get(TRACE_ENV)
+
     @functools.wraps(orig)
     def forward_batch_generation(self, batch=None, *args, **kwargs):
         pol = _policy(self)
-        if pol.max_threads <= 1:  # one thread either way: no shape to read
-            return orig(self, batch, *args, **kwargs)
-        with pol.step(step_shape(batch)):
-            return orig(self, batch, *args, **kwargs)
+        t0 = time.perf_counter() if trace else 0.0
+        try:
+            if pol.max_threads <= 1:  # one thread either way: no shape to read
+                return orig(self, batch, *args, **kwargs)
+            with pol.step(step_shape(batch)):
+                return orig(self, batch, *args, **kwargs)
+        finally:
+            if trace:
+                _trace(trace, batch, t0, time.perf_counter())
 
     cls._orig_forward_batch_generation = orig
     cls.forward_batch_generation = forward_batch_generation

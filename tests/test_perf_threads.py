@@ -98,3 +98,18 @@ def test_step_shape_from_schedule_batch():
     assert step_shape(b) == StepShape([1, 1], [4, 8])
     assert step_shape(None) is None
     assert step_shape(SimpleNamespace(forward_mode=ext, extend_lens=None, prefix_lens=[])) is None
+
+
+def test_step_trace_writes_one_line_per_step(tmp_path):
+    import json
+
+    from sglang_kda.patches.tp_worker import _trace
+
+    ext = SimpleNamespace(is_extend=lambda: True, is_decode=lambda: False, name="EXTEND")
+    path = tmp_path / "steps.jsonl"
+    b = SimpleNamespace(forward_mode=ext, extend_lens=[64, 1], prefix_lens=[0, 70])
+    _trace(str(path), b, 1.0, 1.5)
+    _trace(str(path), None, 2.0, 2.1)  # an idle call: times only
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows[0] == {"t0": 1.0, "t1": 1.5, "mode": "EXTEND", "ext": [64, 1], "pre": [0, 70]}
+    assert rows[1] == {"t0": 2.0, "t1": 2.1, "mode": None}
