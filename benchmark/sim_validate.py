@@ -254,6 +254,21 @@ def calibration_trace() -> tuple[T.Trace, T.Trace]:
     return T.Trace(alone, name="cal_alone"), T.Trace(streams, name="cal_streams")
 
 
+CAL_BUSY_AT = (0.30, 0.52, 0.71, 0.93, 1.12)  # 64-token prompts sent while a stream decodes
+CAL_BUSY_STREAM_OUT = 160
+
+
+def busy_trace() -> T.Trace:
+    """One decode stream, and 64-token prompts (one output token) arriving while it runs: their
+    rounds start with the server busy (no wake-up after a pause), unlike the calibration's other
+    prompts, which all arrive at an idle server. Tells the fixed per-request time from the
+    wake-up of the first round after a pause."""
+    reqs = [T.TraceRequest("bs", CAL_BUSY_STREAM_OUT, t=0.0, segments=(("bs", 64),))]
+    for i, t in enumerate(CAL_BUSY_AT):
+        reqs.append(T.TraceRequest(f"bp{i}", 1, t=t, segments=((f"bp{i}", 64),)))
+    return T.Trace(reqs, name="cal_busy")
+
+
 def _group(streams: dict[str, Real], g: int) -> list[Real]:
     return [r for k, r in sorted(streams.items()) if k.startswith(f"st{g}.")]
 
@@ -274,8 +289,11 @@ def round_jitter(stream_runs: list[dict[str, Real]]) -> tuple[float, ...]:
 
 
 def fit_cpu_model(
-    alone_runs: list[dict[str, Real]], stream_runs: list[dict[str, Real]], stat: str = "median"
-) -> tuple[CostModel, float]:
+    alone_runs: list[dict[str, Real]],
+    stream_runs: list[dict[str, Real]],
+    stat: str = "median",
+    busy_runs: list[dict[str, Real]] | None = None,
+) -> tuple[CostModel, float, float]:
     """NNLS fit of the budget's cost model (+ a fixed per-request delay) on the calibration.
 
     ``stat`` is how each calibration point reduces its repeated observations: ``median`` (the
@@ -287,7 +305,11 @@ def fit_cpu_model(
     workloads). Rows: each prompt length alone (TTFT = fixed + its chunked rounds), each decode
     group (ITL = one decode round), and each stream group whose prompts all got their first
     token in one round (TTFT = fixed + one prefill round of several slices: what a round with
-    more than one request costs)."""
+    more than one request costs). Every one of those prompts reaches an idle server, so its first
+    round also pays the wake-up after a pause (``SimConfig.idle_wake_s``); the prompts of
+    :func:`busy_trace` reach a busy server (TTFT = fixed + half a decode round on average + one
+    prefill round), which tells the two apart. Returns (model, fixed, wake); without busy runs
+    (older raw records) the wake-up stays inside the fixed time (0)."""
     if stat not in ("median", "min"):
         raise ValueError("stat: median or min")
     reduce = (lambda xs: float(np.median(xs))) if stat == "median" else min
@@ -308,7 +330,7 @@ def fit_cpu_model(
         for r in alone.values():
             by_len.setdefault(len(r.ids), []).append(r.ttft)
     for n, ttfts in sorted(by_len.items()):
-        rows.append(np.append(chunked(n), 1.0))
+        rows.append(np.append(chunked(n), [1.0, 1.0]))
         ys.append(reduce(ttfts))
     for g, (bs, n) in enumerate(CAL_STREAMS):
         groups = [_group(streams, g) for streams in stream_runs]
@@ -316,7 +338,7 @@ def fit_cpu_model(
         # two tokens in one streamed chunk, not a round).
         itls = [x for group in groups for r in group for x in r.itls[2:] if x > 0]
         f = base.features(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
-        rows.append(np.append(f, 0.0))
+        rows.append(np.append(f, [0.0, 0.0]))
         ys.append(float(np.percentile(itls, 50 if stat == "median" else 25)))
         # One prefill round of bs slices: the groups whose first tokens all came in one round.
         one_round = [
@@ -327,9 +349,18 @@ def fit_cpu_model(
         ]
         if bs > 1 and bs * n <= CHUNK and one_round:
             f = base.features(BatchShape((), tuple(Slice(0, n) for _ in range(bs))))
-            rows.append(np.append(f, 1.0))
+            rows.append(np.append(f, [1.0, 1.0]))
             ys.append(reduce(one_round))
+    busy_ttfts = [r.ttft for run in busy_runs or [] for k, r in run.items() if k != "bs"]
+    if busy_ttfts:
+        # A prompt arriving during decode waits for the round in flight (half of one on
+        # average), then takes one prefill round of its own; no wake-up.
+        f = chunked(64) + 0.5 * base.features(BatchShape.of([64 + CAL_BUSY_STREAM_OUT // 2]))
+        rows.append(np.append(f, [1.0, 0.0]))
+        ys.append(reduce(busy_ttfts))
     x, y = np.array(rows), np.array(ys)
+    if not busy_ttfts:  # fixed and wake-up always together: one column
+        x = x[:, :6]
     w = 1.0 / y
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
     try:
@@ -338,15 +369,17 @@ def fit_cpu_model(
         v = scipy_nnls(x * w[:, None] / scale, y * w)[0] / scale
     except ImportError:  # the cost model's own solver
         v = nnls(x * w[:, None] / scale, y * w) / scale
-    model = CostModel(Coefficients.from_vector(v[:5]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     pred = x @ v
+    if not busy_ttfts:
+        v = np.append(v, 0.0)
+    model = CostModel(Coefficients.from_vector(v[:5]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     err = np.abs(pred - y) / y
     print(
-        f"[cal] coefficients {model.coef}, per-request fixed {v[5] * 1e3:.1f} ms; "
-        f"fit error mean {err.mean():.1%}, max {err.max():.1%}",
+        f"[cal] coefficients {model.coef}, per-request fixed {v[5] * 1e3:.1f} ms, wake-up "
+        f"after a pause {v[6] * 1e3:.1f} ms; fit error mean {err.mean():.1%}, max {err.max():.1%}",
         flush=True,
     )
-    return model, float(v[5])
+    return model, float(v[5]), float(v[6])
 
 
 # --- workloads ---------------------------------------------------------------------------------
@@ -470,6 +503,8 @@ def collect(policy: str, args, tmp: Path) -> dict:
         raw["cal_alone"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
         server.flush()
         raw["cal_streams"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
+        server.flush()
+        raw["cal_busy"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
         runs = [{} for _ in range(max(1, args.repeat))]
         raw["workloads"] = runs[0]
         if len(runs) > 1:
@@ -490,6 +525,8 @@ def collect(policy: str, args, tmp: Path) -> dict:
         raw["cal_alone_after"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
         server.flush()
         raw["cal_streams_after"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
+        server.flush()
+        raw["cal_busy_after"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
     finally:
         server.stop()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -504,18 +541,21 @@ def evaluate(raw: dict, stat: str = "median", jitter: bool = True) -> list[dict]
     runs = [k for k in ("", "_after") if f"cal_alone{k}" in raw]
     alone_runs = [_from_records(cal_alone, raw[f"cal_alone{k}"]) for k in runs]
     stream_runs = [_from_records(cal_streams, raw[f"cal_streams{k}"]) for k in runs]
-    model, fixed = fit_cpu_model(alone_runs, stream_runs, stat)
+    busy = busy_trace()
+    busy_runs = [_from_records(busy, raw[f"cal_busy{k}"]) for k in runs if f"cal_busy{k}" in raw]
+    model, fixed, wake = fit_cpu_model(alone_runs, stream_runs, stat, busy_runs)
     factors = round_jitter(stream_runs) if jitter else ()
     model.save(
         OUT_DIR / f"cpu_cost_model_{policy}.json",
         key=f"tiny-cpu-{policy}",
-        extra={"per_request_fixed_s": fixed, "round_jitter": list(factors)},
+        extra={"per_request_fixed_s": fixed, "idle_wake_s": wake, "round_jitter": list(factors)},
     )
     cfg = SimConfig(
         policy=policy,
         chunked_prefill_size=CHUNK,
         max_prefill_tokens=131072,
         ingress_s=fixed,
+        idle_wake_s=wake,
         integrity=True,
         round_jitter=factors,
     )

@@ -385,3 +385,25 @@ def test_round_jitter_is_seeded_and_keeps_invariants():
     assert round((ra.end - ra.start) / (rb.end - rb.start), 9) in jit
     with pytest.raises(ValueError):
         SimConfig(round_jitter=(0.0, 1.0))
+
+
+def test_a_round_after_a_pause_pays_the_wake_up():
+    """``idle_wake_s``: the first round, and the first after the rank sat idle for at least
+    ``idle_wake_after_s``, take that much longer; rounds while busy do not."""
+    tr = T.Trace(
+        [
+            T.TraceRequest("a", 2, t=0.0, segments=(("a", 64),)),
+            T.TraceRequest("b", 2, t=5.0, segments=(("b", 64),)),
+        ]
+    )
+    base = run(tr, policy="kda")
+    woke = run(tr, policy="kda", idle_wake_s=0.02)
+    check_invariants(woke, tr)
+    d = [
+        (w.end - w.start) - (b.end - b.start)
+        for w, b in zip(woke.ranks[0].rounds, base.ranks[0].rounds, strict=True)
+    ]
+    # a's prefill, a's decode, b's prefill (after 5 s idle), b's decode
+    assert [round(x, 9) for x in d] == [0.02, 0.0, 0.02, 0.0]
+    with pytest.raises(ValueError):
+        SimConfig(idle_wake_s=-1.0)

@@ -93,6 +93,9 @@ class SimConfig:
         SGLang's LRU whatever this says.
     ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
         tokenizer); counted in its TTFT.
+    idle_wake_s / idle_wake_after_s: a rank that sat idle for at least ``idle_wake_after_s``
+        takes ``idle_wake_s`` longer over its next round (the CPU server's first forward after
+        a pause is slower: caches and pages gone cold; ``benchmark/sim_validate.py`` fits it).
     finished_state: where the state a finished request leaves in the tree sits: ``prompt``
         (the end of its prompt; what the CPU server does, measured by benchmark/sim_validate.py:
         a continuation of a finished prompt is cached up to exactly the prompt's end) or ``end``
@@ -120,6 +123,8 @@ class SimConfig:
     max_checkpoints: Optional[int] = None
     max_tokens: Optional[int] = None
     ingress_s: float = 0.0
+    idle_wake_s: float = 0.0
+    idle_wake_after_s: float = 0.05
     integrity: bool = False
     finished_state: str = "prompt"
     eviction: object = "marconi"
@@ -141,6 +146,8 @@ class SimConfig:
         self.round_jitter = tuple(float(x) for x in self.round_jitter)
         if any(not x > 0 for x in self.round_jitter):
             raise ValueError("round_jitter factors must be > 0")
+        if not (self.idle_wake_s >= 0 and self.idle_wake_after_s >= 0):
+            raise ValueError("idle_wake_s and idle_wake_after_s must be >= 0")
         alpha = eviction_mod.parse_eviction(self.eviction)
         self.alpha = alpha if self.policy == "kda" else None
 
@@ -217,6 +224,7 @@ class Rank:
         self.twin_waits = 0
         # budget pacing: rounds with decode and no slice since the last slice (fresh: none)
         self.since_slice = cfg.budget.pace_every if cfg.budget is not None else 0
+        self.wake = True  # nothing has run yet: the first round is a wake-up too
         self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
@@ -232,6 +240,8 @@ class Rank:
 
     def enqueue(self, r: SimReq, t: float) -> None:
         if not self.busy:
+            if t - self.now >= self.cfg.idle_wake_after_s:
+                self.wake = True  # the next round pays the wake-up after a pause
             self.now = max(self.now, t)
         r.rank, r.enqueued, r.state = self.id, t, "waiting"
         self.waiting.append(r)
@@ -368,6 +378,9 @@ class Rank:
         dt = self.cost.predict(shape)
         if cfg.round_jitter:
             dt *= self.rng.choice(cfg.round_jitter)
+        if self.wake:
+            dt += cfg.idle_wake_s
+            self.wake = False
         if dt <= 0:
             raise RuntimeError("cost model predicted a non-positive round time")
         start, end = self.now, self.now + dt
