@@ -21,7 +21,7 @@ import os
 import pytest
 from harness import NEW_TOKENS, check_against_reference, start_server
 
-from sglang_kda.patches.mla_extend_cpu import KEY_BLOCK_ENV, LOG_LINE
+from sglang_kda.patches.mla_extend_cpu import DECODE_LOG_LINE, KEY_BLOCK_ENV, LOG_LINE
 
 pytestmark = pytest.mark.server
 
@@ -102,3 +102,5 @@ def test_long_prompts_match_reference(long_server, long_prompts, long_reference)
     assert cached[1] >= SHARED - 64  # the shared prefix came from the cache
     log = long_server.log.read_text(errors="replace")
     assert LOG_LINE in log, "the blockwise extend attention did not run"
+    # the decode tokens above (matched to the reference) ran the latent-row decode attention
+    assert DECODE_LOG_LINE in log, "the latent-row decode attention did not run"
