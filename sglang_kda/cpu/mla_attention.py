@@ -197,14 +197,12 @@ def extend_attention(
         else:
             _merge(acc_o[:, :, row0:], acc_lse[:, :, row0:], o, lse)
 
-    if t == 1:  # one row sees every key: no causal block, and one block up to key_block keys
-        for s in range(0, prefix_len + 1, key_block):
-            block(s, min(s + key_block, prefix_len + 1), 0, False)
-        out.copy_(acc_o[0, :, :, :dv].transpose(0, 1))
-        return out
-    for s in range(0, prefix_len, key_block):
-        block(s, min(s + key_block, prefix_len), 0, False)
-    for c in range(0, t, key_block):
+    # A single row sees every key, its own included: no causal block, and one block up to
+    # key_block keys (decode).
+    plain = prefix_len + 1 if t == 1 else prefix_len
+    for s in range(0, plain, key_block):
+        block(s, min(s + key_block, plain), 0, False)
+    for c in range(0, t if t > 1 else 0, key_block):
         block(prefix_len + c, prefix_len + min(c + key_block, t), c, True)
 
     out.copy_(acc_o[0, :, :, :dv].transpose(0, 1))
@@ -266,17 +264,20 @@ def decode_attention_batch(
             f"{q.shape[0]} query rows for {len(seq_lens)} sequences and "
             f"{len(req_pool_indices)} pool rows"
         )
-    for i, (rp, sl) in enumerate(zip(req_pool_indices, seq_lens, strict=True)):
+    for i, sl in enumerate(seq_lens):
         if sl < 1:
             raise ValueError(f"sequence {i} has {sl} tokens; a decode row needs at least 1")
-        extend_attention(
-            q[i : i + 1],
-            k_cache,
-            v_cache,
-            req_to_token[rp, :sl],
-            sl - 1,
-            scale,
-            out=out[i : i + 1],
-            key_block=key_block,
-        )
-    return out
+    # a decode row is an extend of one token after its sl - 1 cached ones
+    return extend_attention_batch(
+        q,
+        out,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        [sl - 1 for sl in seq_lens],
+        [1] * len(seq_lens),
+        scale,
+        key_block=key_block,
+    )
