@@ -323,6 +323,23 @@ def _scan(
     return o_chunks, S.index_select(0, torch.argsort(order_t))
 
 
+def _pack_checkpoints(
+    ckpts: list[tuple[int, int, torch.Tensor]], hkv: tuple[int, int, int], dtype, device
+) -> KDACheckpoints:
+    """(sequence, position, state) rows -> :class:`KDACheckpoints`, sorted by (sequence,
+    position); ``dtype`` is the states' when there are none."""
+    ckpts.sort(key=lambda r: (r[0], r[1]))
+    return KDACheckpoints(
+        states=(
+            torch.stack([r[2] for r in ckpts])
+            if ckpts
+            else torch.zeros(0, *hkv, dtype=dtype, device=device)
+        ),
+        seq_idx=torch.tensor([r[0] for r in ckpts], dtype=torch.long, device=device),
+        positions=torch.tensor([r[1] for r in ckpts], dtype=torch.long, device=device),
+    )
+
+
 def chunk_kda_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -422,17 +439,7 @@ def chunk_kda_torch(
     if checkpoint_every is None:
         return o, final_state
 
-    ckpts.sort(key=lambda r: (r[0], r[1]))
-    ckpt = KDACheckpoints(
-        states=(
-            torch.stack([r[2] for r in ckpts])
-            if ckpts
-            else torch.zeros(0, H, K, V, dtype=dtype, device=device)
-        ),
-        seq_idx=torch.tensor([r[0] for r in ckpts], dtype=torch.long, device=device),
-        positions=torch.tensor([r[1] for r in ckpts], dtype=torch.long, device=device),
-    )
-    return o, final_state, ckpt
+    return o, final_state, _pack_checkpoints(ckpts, (H, K, V), dtype, device)
 
 
 def _gather_pool_states(
@@ -524,16 +531,7 @@ def _extend_split(
                     ckpts.append((i, prefixes[i] + 1, S[r]))
     if every is None:
         return o
-    ckpts.sort(key=lambda r: (r[0], r[1]))
-    return o, KDACheckpoints(
-        states=(
-            torch.stack([r[2] for r in ckpts])
-            if ckpts
-            else torch.zeros(0, H, K, V, dtype=torch.float32, device=dev)
-        ),
-        seq_idx=torch.tensor([r[0] for r in ckpts], dtype=torch.long, device=dev),
-        positions=torch.tensor([r[1] for r in ckpts], dtype=torch.long, device=dev),
-    )
+    return o, _pack_checkpoints(ckpts, (H, K, V), torch.float32, dev)
 
 
 def kda_extend_pool(
@@ -583,9 +581,7 @@ def kda_extend_pool(
         o = q.new_zeros(1, 0, H, V)
         if checkpoint_every is None:
             return o
-        empty = torch.zeros(0, H, K, V, dtype=torch.float32, device=q.device)
-        no_idx = torch.zeros(0, dtype=torch.long, device=q.device)
-        return o, KDACheckpoints(empty, no_idx, no_idx.clone())
+        return o, _pack_checkpoints([], (H, K, V), torch.float32, q.device)
     g = kda_gate(g_raw.reshape(1, T, H, K), A_log, dt_bias, lower_bound)
     beta = beta_raw.reshape(1, T, H).float().sigmoid()
     idx = cache_indices.reshape(-1).long()
