@@ -49,6 +49,13 @@ KEY_BLOCK_ENV = "SGLANG_KDA_EXTEND_KEY_BLOCK"
 the server tests set it small so that short prompts cross several blocks."""
 
 
+def _self_attention(encoder_lens, is_cross_attn, sliding_window_size) -> bool:
+    """The calls this patch takes: self-attention, no encoder, no sliding window (every call the
+    CPU path of Kimi-Linear makes); anything else goes to upstream's method."""
+    no_window = sliding_window_size is None or sliding_window_size <= -1
+    return encoder_lens is None and not is_cross_attn and no_window
+
+
 def wanted(ctx) -> bool:
     return ctx.cpu_engine
 
@@ -90,13 +97,7 @@ def apply(ctx) -> None:
         is_cross_attn=False,
         sliding_window_size=None,
     ):
-        plain = (
-            causal
-            and encoder_lens is None
-            and not is_cross_attn
-            and (sliding_window_size is None or sliding_window_size <= -1)
-        )
-        if not plain:
+        if not (causal and _self_attention(encoder_lens, is_cross_attn, sliding_window_size)):
             return orig(
                 self,
                 query,
@@ -179,14 +180,8 @@ def apply(ctx) -> None:
         is_cross_attn=False,
         sliding_window_size=None,
     ):
-        plain = (
-            not causal
-            and encoder_lens is None
-            and not is_cross_attn
-            and (sliding_window_size is None or sliding_window_size <= -1)
-            and query.shape[0] == seq_lens.shape[0]
-        )
-        if not plain:
+        plain = not causal and _self_attention(encoder_lens, is_cross_attn, sliding_window_size)
+        if not (plain and query.shape[0] == seq_lens.shape[0]):
             return orig_decode(
                 self,
                 query,
