@@ -267,7 +267,7 @@ def _build(sched) -> BudgetRuntime | None:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.policy.budget import plan_round, with_margin
+    from sglang_kda.policy.budget import next_since_slice, plan_round, with_margin
 
     cls = importlib.import_module(UPSTREAM).Scheduler
     if getattr(cls, "_sglang_kda_budget_patched", False):
@@ -329,18 +329,15 @@ def apply(ctx) -> None:
             slice_overshoots=st.slice_overshoot,
         )
         st.last_plan = plan
+        st.since_slice = next_since_slice(st.since_slice, plan, bool(running_batch.reqs), st.cfg)
         if plan.rid is None:
-            if running_batch.reqs:  # a round with decode and no prefill: the pacing's count
-                st.since_slice = min(st.since_slice + 1, st.cfg.pace_every)
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         st.rounds[plan.mode] = st.rounds.get(plan.mode, 0) + 1
         _inc("rounds", mode=plan.mode)
         if plan.mode == "pace":
             # Decode alone this round. An in-flight chunked request was already stashed by
             # get_next_batch_to_run (prefix_len = extend_end), so it simply resumes later.
-            st.since_slice = min(st.since_slice + 1, st.cfg.pace_every)
             return None, running_batch
-        st.since_slice = 0
         head = present.get(plan.rid) if chunked is None else None
         saved = self.chunked_prefill_size, self.is_mixed_chunk
         had_calc = "calc_priority" in self.policy.__dict__

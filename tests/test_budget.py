@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 from sglang_kda.policy.budget import (
     BudgetConfig,
     DeadlineBook,
+    Plan,
     Prefill,
     burst_slice,
     deadline_of,
     finish_time,
     fit_slice,
+    next_since_slice,
     paced_finish_time,
     plan_round,
     round_budget,
@@ -347,12 +349,11 @@ def _paced_run(cfg, p, decode, max_rounds=100_000):
     now, since, kinds = 0.0, 0, []
     while p.remaining and len(kinds) < max_rounds:
         plan = plan_round(MODEL, cfg, now, decode, [p], inflight=p.rid, since_slice=since)
+        since = next_since_slice(since, plan, True, cfg)
         if plan.mode == "pace":
-            since += 1
             kinds.append("decode")
             now += MODEL.predict(BatchShape.of(decode))
             continue
-        since = 0
         end = slice_end(p.done, plan.tokens, p.remaining, cfg.grid)
         dec = tuple(decode) if plan.mix_decode else ()
         now += MODEL.predict(BatchShape(dec, (Slice(p.done, end - p.done),)))
@@ -396,6 +397,20 @@ def test_pacing_counts_quiet_rounds_and_bursts_at_once_after_them():
     # a prompt within one grid step is not penalised: never paced
     short = Prefill("s", deadline=10_000.0, done=0, total=cfg.grid)
     assert plan_round(MODEL, cfg, 0.0, DECODE, [short], since_slice=0).mode == "share"
+
+
+def test_the_pacing_count():
+    """Server and simulator count with next_since_slice: a round with decode and no slice adds
+    one (capped at pace_every), a slice starts over, a round with nothing keeps the count."""
+    cfg = BudgetConfig(pace_every=3)
+    pace = Plan("pace", "p", 0, True, 0.01, 0.01)
+    idle = Plan("idle", None, 0, True, 0.01, 0.01)
+    share = Plan("share", "p", 64, True, 0.01, 0.02)
+    assert next_since_slice(1, pace, True, cfg) == 2
+    assert next_since_slice(3, pace, True, cfg) == 3
+    assert next_since_slice(1, idle, True, cfg) == 2
+    assert next_since_slice(1, idle, False, cfg) == 1
+    assert next_since_slice(2, share, True, cfg) == 0
 
 
 def test_pacing_gives_way_to_the_deadline_and_is_off_without_a_counter():

@@ -357,6 +357,16 @@ def plan_round(
     return planned("alone", cfg.max_slice, False)
 
 
+def next_since_slice(since_slice: int, plan: Plan, decoding: bool, cfg: BudgetConfig) -> int:
+    """The pacing's count after a round planned as ``plan``: a round with decode and no prefill
+    slice (``pace``, or nothing to prefill while ``decoding``) adds one, capped at
+    ``cfg.pace_every``; a round with a slice starts over; a round with neither keeps it. The
+    server's wrapper and the simulator both count with this."""
+    if plan.mode == "pace" or (plan.rid is None and decoding):
+        return min(since_slice + 1, cfg.pace_every)
+    return since_slice if plan.rid is None else 0
+
+
 # -- deadline bookkeeping ------------------------------------------------------------------
 
 

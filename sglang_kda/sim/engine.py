@@ -295,14 +295,11 @@ class Rank:
                 since_slice=self.since_slice if decode_ctx else None,
             )
             mode = plan.mode
-            cap = cfg.budget.pace_every
-            if plan.mode == "pace":  # decode alone this round (the server returns no prefill)
-                self.since_slice = min(self.since_slice + 1, cap)
-            elif plan.rid is None:
-                if decode_ctx:  # decode and no prefill: counts for the pacing, as on the server
-                    self.since_slice = min(self.since_slice + 1, cap)
-            else:
-                self.since_slice = 0
+            self.since_slice = budget_mod.next_since_slice(
+                self.since_slice, plan, bool(decode_ctx), cfg.budget
+            )
+            # pace: decode alone this round (the server returns no prefill)
+            if plan.rid is not None and plan.mode != "pace":
                 chunk_budget = max(1, plan.tokens)
                 mix = plan.mix_decode
                 if self.chunked is None:  # the plan's prefill first (EDF among those at risk)
