@@ -6,31 +6,35 @@ One command (a few minutes on the 2-core machine)::
     .venv/bin/python benchmark/sim_validate.py --policies stock,kda
 
 For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model,
-``--chunked-prefill-size 256``, FCFS), then
+``--chunked-prefill-size 256``, FCFS), then, in ``--repeat`` rounds (5 by default),
 
 1. **calibrates** the CPU cost model on that server: prompts of several lengths alone
    (``max_new_tokens 1``: TTFT = the sum of its prefill rounds + a fixed per-request
-   ingress/egress cost) and decode streams at batch 1 and 4 (ITL = one decode round); the
-   coefficients of :class:`sglang_kda.policy.cost_model.CostModel` (the budget's cost model, the
-   simulator's clock) plus the per-request fixed cost are fitted by non-negative least squares;
-2. runs each validation trace (``sglang_kda.sim.trace`` generators: shared prefix, multi-turn,
-   twin bursts, off-grid divergence, repeats, long prompt among decode streams) against the
-   server (``/flush_cache`` before each; the client honours arrival times and ``after``
-   dependencies, streams ``/generate`` with ``input_ids``) and in the simulator with the fitted
-   cost model;
-3. prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
-   TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
-   ``meta_info``) and cached tokens, server vs simulator, with the relative error; and ends with
-   ``simulator vs server: worst latency error X%; token counts identical: yes/no``.
+   ingress/egress cost), decode streams at batch 1 and 4 (ITL = one decode round), and 64-token
+   prompts reaching a busy server (tells the fixed cost from the wake-up after a pause);
+2. runs each validation trace once (``sglang_kda.sim.trace`` generators: shared prefix,
+   multi-turn, twin bursts, off-grid divergence, repeats, long prompt among decode streams;
+   ``/flush_cache`` before each; the client honours arrival times and ``after`` dependencies,
+   streams ``/generate`` with ``input_ids``);
 
-Latency errors are computed on the p50 figures and the p99 figures (``--latency-metrics``);
-both are listed in the table. With ``--repeat N`` (N >= 2) every workload runs N times on the
-server; the simulator is compared with the median of the N runs' figures (it predicts the typical
-run; one run carries the run-to-run noise), and the table also lists the first run alone, the
-simulator against it, and the second run against the first (the noise floor). The raw
-per-request records (calibration and workloads) are kept in
-``results/sim/validate_raw_<policy>.json``; ``--from-raw`` refits and resimulates from them
-without a server.
+and one last calibration closes the last round. Round ``i``'s simulator uses the cost model
+fitted (non-negative least squares: the coefficients of
+:class:`sglang_kda.policy.cost_model.CostModel`, the budget's cost model and the simulator's
+clock, plus the fixed cost and the wake-up) on the calibrations before and after that round: the
+machine's speed drifts over minutes, and the simulator is given the machine as that round's
+workloads saw it. Each workload is simulated with ``--sim-seeds`` draws of the measured
+round-time spread and the median taken.
+
+It prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
+TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
+``meta_info``) and cached tokens; server and simulator each as the median over rounds, their
+relative error, the median of the per-round errors, round 1 of each, and round 2 of the server
+against its round 1 (the noise floor); and ends with
+``simulator vs server: worst latency error X%; token counts identical: yes/no`` (token counts
+must agree in every round).
+
+The raw per-request records are kept in ``results/sim/validate_raw_<policy>.json``;
+``--from-raw`` refits and resimulates from them without a server.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -229,8 +233,15 @@ def real_summary(recs: dict[str, Real]) -> dict:
 
 # --- calibration -------------------------------------------------------------------------------
 
-CAL_LENGTHS = (64, 256, 700, 1500, 2600)
-CAL_STREAMS = ((1, 64), (4, 64), (1, 1500), (4, 1500))  # (batch, prompt tokens)
+# Prompt lengths alone: one-round prompts of 1, 1 and 3 KDA chunk steps (20, 64, 130 tokens: tell
+# the extend path's fixed cost, chunk steps and tokens apart) and chunked ones.
+CAL_LENGTHS = (20, 64, 130, 256, 700, 1500, 2600)
+# Decode stream groups (batch, prompt tokens), their streams sent 1 ms apart; the group of four
+# 64-token prompts also gives one prefill round of 4 slices. The group of CAL_TOGETHER is sent
+# at one instant: how far apart the client and the server's way in take them is the
+# simulator's ingress gap (``SimConfig.ingress_gap_s``).
+CAL_STREAMS = ((1, 64), (4, 20), (4, 64), (1, 1500), (4, 1500))
+CAL_TOGETHER = (4, 20)
 CAL_STREAM_OUT = 16
 
 
@@ -246,7 +257,8 @@ def calibration_trace() -> tuple[T.Trace, T.Trace]:
     for g, (bs, n) in enumerate(CAL_STREAMS):
         # Each group starts when the previous group's first stream is done (no overlap).
         for j in range(bs):
-            kw = dict(t=0.001 * j) if prev is None else dict(after=prev, delay=0.5 + 0.001 * j)
+            off = 0.0 if (bs, n) == CAL_TOGETHER else 0.001 * j
+            kw = dict(t=off) if prev is None else dict(after=prev, delay=0.5 + off)
             streams.append(
                 T.TraceRequest(f"st{g}.{j}", CAL_STREAM_OUT, segments=((f"st{g}.{j}", n),), **kw)
             )
@@ -288,6 +300,17 @@ def round_jitter(stream_runs: list[dict[str, Real]]) -> tuple[float, ...]:
     return tuple(sorted(round(x, 4) for x in out))
 
 
+def ingress_gap(stream_runs: list[dict[str, Real]]) -> float:
+    """The spacing of requests sent at one instant (the CAL_TOGETHER group): the median gap
+    between consecutive send times the client recorded."""
+    g = CAL_STREAMS.index(CAL_TOGETHER)
+    gaps = []
+    for streams in stream_runs:
+        t = sorted(r.arrival for r in _group(streams, g))
+        gaps += [b - a for a, b in zip(t, t[1:])]
+    return float(np.median(gaps)) if gaps else 0.0
+
+
 def fit_cpu_model(
     alone_runs: list[dict[str, Real]],
     stream_runs: list[dict[str, Real]],
@@ -301,8 +324,8 @@ def fit_cpu_model(
     gives one CPU rank cores - 1 threads and the server repeats itself) or ``min`` (the
     least-contended observation: the fastest of the repeated prompts, the 25th percentile of a
     decode group's ITLs; for a machine shared with other jobs, where contention only ever adds
-    time). Each point pools its observations over the calibration runs (before and after the
-    workloads). Rows: each prompt length alone (TTFT = fixed + its chunked rounds), each decode
+    time). Each point pools its observations over the calibration runs given (the ones around a
+    round). Rows: each prompt length alone (TTFT = fixed + its chunked rounds), each decode
     group (ITL = one decode round), and each stream group whose prompts all got their first
     token in one round (TTFT = fixed + one prefill round of several slices: what a round with
     more than one request costs). Every one of those prompts reaches an idle server, so its first
@@ -314,10 +337,11 @@ def fit_cpu_model(
         raise ValueError("stat: median or min")
     reduce = (lambda xs: float(np.median(xs))) if stat == "median" else min
     base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+    nf = len(base.features(BatchShape.of([1])))  # the cost model's features; then fixed, wake
     rows, ys = [], []
 
     def chunked(n: int):
-        f = np.zeros(5)
+        f = np.zeros(nf)
         done = 0
         while done < n:
             c = min(CHUNK, n - done)
@@ -360,7 +384,7 @@ def fit_cpu_model(
         ys.append(reduce(busy_ttfts))
     x, y = np.array(rows), np.array(ys)
     if not busy_ttfts:  # fixed and wake-up always together: one column
-        x = x[:, :6]
+        x = x[:, : nf + 1]
     w = 1.0 / y
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
     try:
@@ -372,36 +396,53 @@ def fit_cpu_model(
     pred = x @ v
     if not busy_ttfts:
         v = np.append(v, 0.0)
-    model = CostModel(Coefficients.from_vector(v[:5]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+    model = CostModel(Coefficients.from_vector(v[:nf]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     err = np.abs(pred - y) / y
     print(
-        f"[cal] coefficients {model.coef}, per-request fixed {v[5] * 1e3:.1f} ms, wake-up "
-        f"after a pause {v[6] * 1e3:.1f} ms; fit error mean {err.mean():.1%}, max {err.max():.1%}",
+        f"[cal] coefficients {model.coef}, per-request fixed {v[nf] * 1e3:.1f} ms, wake-up "
+        f"after a pause {v[nf + 1] * 1e3:.1f} ms; fit error mean {err.mean():.1%}, "
+        f"max {err.max():.1%}",
         flush=True,
     )
-    return model, float(v[5]), float(v[6])
+    return model, float(v[nf]), float(v[nf + 1])
 
 
 # --- workloads ---------------------------------------------------------------------------------
 
 
 def workloads(quick: bool) -> dict[str, T.Trace]:
+    """The validation traces. Sized so that each percentile is a property of a distribution and
+    not of one or two events: hundreds of ITLs and 15-24 TTFTs per workload. In
+    ``long_among_decodes`` the four streams arrive together and are short enough that the four
+    stalls behind the long prompt's prefill are more than 1% of all ITLs, so ITL p99 is that
+    stall (the thing the workload is about) rather than wherever the 99th percentile falls at the
+    edge of a cluster of four."""
     w = {
-        "shared_prefix": T.shared_prefix(groups=3, per_group=3, prefix=700, suffix=100, gap_s=0.3),
+        "shared_prefix": T.shared_prefix(
+            groups=4, per_group=6, prefix=700, suffix=100, out=16, gap_s=0.25
+        ),
         # 20 output tokens (> 16, SGLang's ReplaySSM ring length): where a finished request's
         # state sits (the prompt's end, or later) shows in the next turn's cached tokens.
-        "multi_turn": T.multi_turn(convs=3, turns=3, out=20),
-        "twin_bursts": T.twin_bursts(bursts=2, size=4),
-        "off_grid_divergence": T.off_grid_divergence(n=5),
-        "repeats": T.repeats(n=3),
+        "multi_turn": T.multi_turn(convs=4, turns=4, out=20),
+        "twin_bursts": T.twin_bursts(bursts=4, size=4, out=16, gap_s=1.5),
+        "off_grid_divergence": T.off_grid_divergence(n=15, out=16),
+        "repeats": T.repeats(n=12, out=16),
         "long_among_decodes": T.long_among_decodes(
-            streams=4, stream_prompt=64, stream_out=120, long_prompt=3000, long_at_s=0.5
+            streams=4,
+            stream_prompt=64,
+            stream_out=60,
+            long_prompt=3000,
+            long_at_s=0.2,
+            stagger_s=0.0,
         ),
     }
     if quick:
         w["shared_prefix"] = T.shared_prefix(groups=2, per_group=3, prefix=700, suffix=100)
+        w["twin_bursts"] = T.twin_bursts(bursts=2, size=4)
+        w["off_grid_divergence"] = T.off_grid_divergence(n=5)
+        w["repeats"] = T.repeats(n=3)
         w["long_among_decodes"] = T.long_among_decodes(
-            streams=4, stream_prompt=64, stream_out=80, long_prompt=2000, long_at_s=0.5
+            streams=4, stream_out=40, long_prompt=2000, long_at_s=0.15, stagger_s=0.0
         )
     return w
 
@@ -417,26 +458,24 @@ def _err(a: float, b: float) -> float:
 def compare(
     name: str,
     policy: str,
-    real: dict,
-    sim: dict,
-    noise: dict | None,
-    more: list[dict] | None = None,
+    reals: list[dict],
+    sims: list[dict],
 ) -> list[dict]:
-    """One row per metric: server, simulator, their relative error, and (with a repeated server
-    run) the server's own run-to-run error on the same trace, the noise floor.
+    """One row per metric. ``reals[i]`` is the server's figures in round ``i``, ``sims[i]`` the
+    simulator's with the cost model calibrated around that round.
 
-    With repeated runs, ``server`` is the median of the runs' figures (the simulator predicts the
-    typical run, and one run carries the noise the repeat column shows; the median keeps a run
-    disturbed by another process from moving it) and ``error`` is the simulator against it;
-    ``server_first`` and ``error_first`` keep the first run alone.
-    Token counts must agree in every run."""
+    ``server`` and ``sim`` are the medians over rounds (the typical run of each, over the same
+    stretches of the machine's time) and ``error`` compares them; ``error_runs`` is the median
+    over rounds of the simulator against the server in that round. ``server_repeat_error`` is the
+    second round against the first: the noise floor. Token counts must agree in every round."""
     rows = []
-    runs = [real] + ([noise] if noise is not None else []) + list(more or [])
     for k in TOKENS + LATENCY:
-        a, b = float(np.median([r[k] for r in runs])), sim[k]
+        a = float(np.median([r[k] for r in reals]))
+        b = float(np.median([x[k] for x in sims]))
         if k in TOKENS:
-            same = all(r[k] == real[k] for r in runs)
-            a = real[k] if same else a
+            same = all(r[k] == reals[0][k] for r in reals)
+            a = reals[0][k] if same else a
+            b = sims[0][k] if all(x[k] == sims[0][k] for x in sims) else b
         row = {
             "workload": name,
             "policy": policy,
@@ -444,13 +483,15 @@ def compare(
             "server": a,
             "sim": b,
             "error": _err(a, b),
-            "server_runs": len(runs),
+            "server_runs": len(reals),
+            "error_runs": float(np.median([_err(r[k], x[k]) for r, x in zip(reals, sims)])),
+            "server_first": reals[0][k],
+            "sim_first": sims[0][k],
+            "error_first": _err(reals[0][k], sims[0][k]),
         }
-        if noise is not None:
-            row["server_first"] = real[k]
-            row["error_first"] = _err(real[k], b)
-            row["server_repeat"] = noise[k]
-            row["server_repeat_error"] = _err(real[k], noise[k])
+        if len(reals) > 1:
+            row["server_repeat"] = reals[1][k]
+            row["server_repeat_error"] = _err(reals[0][k], reals[1][k])
         rows.append(row)
     return rows
 
@@ -483,8 +524,27 @@ def _from_records(trace: T.Trace, d: dict) -> dict[str, Real]:
     return out
 
 
+def _calibrate(server: Server) -> dict:
+    cal_alone, cal_streams = calibration_trace()
+    out = {}
+    server.flush()
+    out["cal_alone"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
+    server.flush()
+    out["cal_streams"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
+    server.flush()
+    out["cal_busy"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
+    return out
+
+
 def collect(policy: str, args, tmp: Path) -> dict:
-    """Run calibration and every workload on a real server; the raw per-request records."""
+    """Run the calibration and every workload on a real server; the raw per-request records.
+
+    In rounds: each round calibrates, then runs every workload once; one more calibration
+    closes the last round. The simulator of round ``i`` is fitted on the calibrations before
+    and after it, so it sees the machine as that round's workloads saw it (this shared 2-core
+    machine's speed moves by tens of percent over minutes: in one run decode rounds took 8 ms in
+    the first workload and 13 ms four minutes later), and the rounds spread every workload over
+    the whole run instead of running its repeats back to back."""
     extra = [
         "--chunked-prefill-size",
         str(CHUNK),
@@ -494,39 +554,25 @@ def collect(policy: str, args, tmp: Path) -> dict:
         *args.server_args,
     ]
     server = Server(policy, extra, tmp / f"{policy}.log")
-    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK}
+    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 2, "rounds": []}
     try:
-        # Warm-up (one-time costs), then calibration.
+        # Warm-up (one-time costs).
         asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
-        server.flush()
-        cal_alone, cal_streams = calibration_trace()
-        raw["cal_alone"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
-        server.flush()
-        raw["cal_streams"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
-        server.flush()
-        raw["cal_busy"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
-        runs = [{} for _ in range(max(1, args.repeat))]
-        raw["workloads"] = runs[0]
-        if len(runs) > 1:
-            raw["workloads_repeat"] = runs[1]
-            raw["workloads_more"] = runs[2:]
-        for name, tr in workloads(args.quick).items():
-            for run in runs:
+        n = max(1, args.repeat)
+        for i in range(n):
+            t0 = time.monotonic()
+            rnd = _calibrate(server)
+            rnd["workloads"] = {}
+            for name, tr in workloads(args.quick).items():
                 server.flush()
-                t0 = time.monotonic()
-                run[name] = _records(asyncio.run(run_trace(server.url, tr)))
-                print(
-                    f"[{policy}] {name}: ran on the server ({time.monotonic() - t0:.0f}s)",
-                    flush=True,
-                )
-        # The calibration again, after the workloads: the fit pools both, so it sees the
-        # machine as the workloads saw it (a shared machine's load drifts over minutes).
-        server.flush()
-        raw["cal_alone_after"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
-        server.flush()
-        raw["cal_streams_after"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
-        server.flush()
-        raw["cal_busy_after"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
+                rnd["workloads"][name] = _records(asyncio.run(run_trace(server.url, tr)))
+            raw["rounds"].append(rnd)
+            print(
+                f"[{policy}] round {i + 1}/{n}: calibration and {len(rnd['workloads'])} "
+                f"workloads on the server ({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
+        raw["final"] = _calibrate(server)
     finally:
         server.stop()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
@@ -534,55 +580,104 @@ def collect(policy: str, args, tmp: Path) -> dict:
     return raw
 
 
-def evaluate(raw: dict, stat: str = "median", jitter: bool = True) -> list[dict]:
-    """Fit the CPU cost model on the calibration records, simulate every workload, compare."""
-    policy = raw["policy"]
+def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
+    """Simulate ``tr`` with ``seeds`` jitter seeds; the summary of the typical run (each latency
+    figure the median over seeds, as the server's figure is the median over its runs) and the
+    seed-0 result. Token counts are the policy's, not the clock's: every seed must give seed 0's
+    (a seed that does not is reported)."""
+    results = [simulate(tr, replace(cfg, seed=k), model) for k in range(max(1, seeds))]
+    sums = [summarize(r) for r in results]
+    out = dict(sums[0])
+    for k in LATENCY:
+        out[k] = float(np.median([s[k] for s in sums]))
+    for k in TOKENS:
+        if any(s[k] != out[k] for s in sums):
+            print(f"[sim] {tr.name}: {k} differs between jitter seeds: {[s[k] for s in sums]}")
+    return out, results[0]
+
+
+def _fit(cals: list[dict], stat: str, jitter: bool):
     cal_alone, cal_streams = calibration_trace()
-    runs = [k for k in ("", "_after") if f"cal_alone{k}" in raw]
-    alone_runs = [_from_records(cal_alone, raw[f"cal_alone{k}"]) for k in runs]
-    stream_runs = [_from_records(cal_streams, raw[f"cal_streams{k}"]) for k in runs]
     busy = busy_trace()
-    busy_runs = [_from_records(busy, raw[f"cal_busy{k}"]) for k in runs if f"cal_busy{k}" in raw]
+    alone_runs = [_from_records(cal_alone, c["cal_alone"]) for c in cals]
+    stream_runs = [_from_records(cal_streams, c["cal_streams"]) for c in cals]
+    busy_runs = [_from_records(busy, c["cal_busy"]) for c in cals]
     model, fixed, wake = fit_cpu_model(alone_runs, stream_runs, stat, busy_runs)
     factors = round_jitter(stream_runs) if jitter else ()
-    model.save(
-        OUT_DIR / f"cpu_cost_model_{policy}.json",
-        key=f"tiny-cpu-{policy}",
-        extra={"per_request_fixed_s": fixed, "idle_wake_s": wake, "round_jitter": list(factors)},
+    return (
+        model,
+        dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=ingress_gap(stream_runs)),
+        factors,
     )
-    cfg = SimConfig(
+
+
+def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
+    return SimConfig(
         policy=policy,
         chunked_prefill_size=CHUNK,
         max_prefill_tokens=131072,
-        ingress_s=fixed,
-        idle_wake_s=wake,
         integrity=True,
         round_jitter=factors,
+        **timing,
     )
+
+
+def evaluate(raw: dict, stat: str = "median", jitter: bool = True, seeds: int = 5) -> list[dict]:
+    """Per round: fit the CPU cost model on the calibrations around it, simulate every workload,
+    and compare the medians over rounds (:func:`compare`)."""
+    if raw.get("format") != 2:
+        raise SystemExit(
+            "these raw records predate per-round calibration; rerun without --from-raw"
+        )
+    policy = raw["policy"]
+    rounds = raw["rounds"]
+    cals = rounds + [raw["final"]]
+    # The whole run's calibrations pooled: the model saved for `python -m sglang_kda.sim`.
+    model, timing, factors = _fit(cals, stat, jitter)
+    print(f"[cal] ingress gap {timing['ingress_gap_s'] * 1e3:.2f} ms", flush=True)
+    model.save(
+        OUT_DIR / f"cpu_cost_model_{policy}.json",
+        key=f"tiny-cpu-{policy}",
+        extra={
+            "per_request_fixed_s": timing["ingress_s"],
+            "idle_wake_s": timing["idle_wake_s"],
+            "ingress_gap_s": timing["ingress_gap_s"],
+            "round_jitter": list(factors),
+        },
+    )
+    per_round = [_fit(cals[i : i + 2], stat, jitter) for i in range(len(rounds))]
     rows = []
     for name, tr in workloads(raw["quick"]).items():
-        real = _from_records(tr, raw["workloads"][name])
-        res = simulate(tr, cfg, model)
-        sim = summarize(res)
-        rsum = real_summary(real)
-        rep = raw.get("workloads_repeat", {}).get(name)
-        noise = real_summary(_from_records(tr, rep)) if rep else None
-        more = [real_summary(_from_records(tr, m[name])) for m in raw.get("workloads_more", [])]
-        rows += compare(name, policy, rsum, sim, noise, more)
-        simr = {r.rid: r for r in res.requests}
-        diff = [
-            (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
-            for rid, r in real.items()
-            if r.prompt_tokens - r.cached_tokens != simr[rid].computed
-        ]
+        reals, sims = [], []
+        for i, rnd in enumerate(rounds):
+            model, timing, factors = per_round[i]
+            real = _from_records(tr, rnd["workloads"][name])
+            sim, res = simulate_seeds(
+                tr, _config(policy, timing, factors), model, seeds if factors else 1
+            )
+            reals.append(real_summary(real))
+            sims.append(sim)
+            simr = {r.rid: r for r in res.requests}
+            diff = [
+                (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
+                for rid, r in real.items()
+                if r.prompt_tokens - r.cached_tokens != simr[rid].computed
+            ]
+            if diff:
+                print(
+                    f"[{policy}] {name} round {i + 1}: per-request prefill token diffs "
+                    f"(rid, server, sim): {diff[:6]}",
+                    flush=True,
+                )
+        rows += compare(name, policy, reals, sims)
+        got = {r["metric"]: (r["server"], r["sim"]) for r in rows[-len(TOKENS + LATENCY) :]}
         print(
-            f"[{policy}] {name}: prefill server {rsum['prefill_tokens']} sim "
-            f"{sim['prefill_tokens']}; TTFT p50 {rsum['ttft_p50_ms']:.0f} vs "
-            f"{sim['ttft_p50_ms']:.0f} ms, p99 {rsum['ttft_p99_ms']:.0f} vs "
-            f"{sim['ttft_p99_ms']:.0f}; ITL p50 {rsum['itl_p50_ms']:.1f} vs "
-            f"{sim['itl_p50_ms']:.1f}, p99 {rsum['itl_p99_ms']:.1f} vs "
-            f"{sim['itl_p99_ms']:.1f}"
-            + (f"; per-request token diffs (rid, server, sim): {diff[:6]}" if diff else ""),
+            f"[{policy}] {name}: prefill server {got['prefill_tokens'][0]} sim "
+            f"{got['prefill_tokens'][1]}; median over rounds, server vs sim: TTFT p50 "
+            f"{got['ttft_p50_ms'][0]:.0f} vs {got['ttft_p50_ms'][1]:.0f} ms, p99 "
+            f"{got['ttft_p99_ms'][0]:.0f} vs {got['ttft_p99_ms'][1]:.0f}; ITL p50 "
+            f"{got['itl_p50_ms'][0]:.1f} vs {got['itl_p50_ms'][1]:.1f}, p99 "
+            f"{got['itl_p99_ms'][0]:.1f} vs {got['itl_p99_ms'][1]:.1f}",
             flush=True,
         )
     return rows
@@ -606,19 +701,21 @@ def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
         return "" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
     lines = [
-        "| workload | policy | metric | server (median of runs) | sim | error | server run 1 | "
-        "sim vs run 1 | server run 2 | run 2 vs run 1 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | policy | metric | server (median of rounds) | sim (median of rounds) | "
+        "error | sim vs server per round (median) | server round 1 | sim round 1 | "
+        "server round 2 | round 2 vs round 1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def pct(v) -> str:
+        return "" if v is None else f"{v:.1%}"
+
     for r in rows:
-        rep = r.get("server_repeat_error")
-        first = r.get("error_first")
         lines.append(
             f"| {r['workload']} | {r['policy']} | {r['metric']} | {num(r['server'])} | "
-            f"{num(r['sim'])} | {r['error']:.1%} | {num(r.get('server_first'))} | "
-            + (f"{first:.1%} | " if first is not None else " | ")
-            + f"{num(r.get('server_repeat'))} | "
-            + (f"{rep:.1%} |" if rep is not None else " |")
+            f"{num(r['sim'])} | {pct(r['error'])} | {pct(r.get('error_runs'))} | "
+            f"{num(r.get('server_first'))} | {num(r.get('sim_first'))} | "
+            f"{num(r.get('server_repeat'))} | {pct(r.get('server_repeat_error'))} |"
         )
     lat = [r["error"] for r in rows if r["metric"] in latency_metrics]
     worst = max(lat) if lat else float("nan")
@@ -627,21 +724,25 @@ def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
         f"simulator vs server: worst latency error {worst * 100:.1f}%; "
         f"token counts identical: {'yes' if same else 'no'}"
     )
+    n_runs = max(r.get("server_runs", 1) for r in rows)
+    within = sum(e <= 0.15 for e in lat)
+    runs = [r["error_runs"] for r in rows if r["metric"] in latency_metrics]
+    head = (
+        f"{n_runs} rounds: simulator vs server (medians over rounds): median latency error "
+        f"{np.median(lat) * 100:.1f}%, {within} of {len(lat)} within 15%; per round: median "
+        f"{np.median(runs) * 100:.1f}%"
+    )
     reps = [
         r["server_repeat_error"]
         for r in rows
         if r["metric"] in latency_metrics and "server_repeat_error" in r
     ]
     if reps:
-        firsts = [r["error_first"] for r in rows if r["metric"] in latency_metrics]
-        n_runs = max(r.get("server_runs", 1) for r in rows)
-        verdict = (
-            f"server vs itself (same trace, run again): worst latency error "
-            f"{max(reps) * 100:.1f}%, median {np.median(reps) * 100:.1f}%; simulator vs the "
-            f"first run alone: worst {max(firsts) * 100:.1f}%, median "
-            f"{np.median(firsts) * 100:.1f}%; simulator vs the median of {n_runs} runs: median "
-            f"{np.median(lat) * 100:.1f}%\n" + verdict
+        head += (
+            f"; server round 2 vs round 1: median {np.median(reps) * 100:.1f}%, worst "
+            f"{max(reps) * 100:.1f}%"
         )
+    verdict = head + "\n" + verdict
     (OUT_DIR / "validate.md").write_text("\n".join(lines) + "\n\n" + verdict + "\n")
     print("\n".join(lines))
     return verdict
@@ -671,9 +772,15 @@ def main() -> int:
     ap.add_argument(
         "--repeat",
         type=int,
-        default=2,
-        help="runs of each workload on the server (2 or more: the simulator is compared with "
-        "the runs' median, the second run against the first gives the noise floor)",
+        default=5,
+        help="rounds (calibration + every workload once); the simulator and the server are "
+        "compared as medians over rounds; round 2 against round 1 gives the noise floor",
+    )
+    ap.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=5,
+        help="jitter seeds the simulator runs each workload with; its figure is their median",
     )
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()
@@ -692,7 +799,7 @@ def main() -> int:
                     if log.exists():
                         print(log.read_text()[-3000:], file=sys.stderr)
                     raise
-        rows += evaluate(raw, args.cal_stat, not args.no_jitter)
+        rows += evaluate(raw, args.cal_stat, not args.no_jitter, args.sim_seeds)
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)
     return 0

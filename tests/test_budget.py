@@ -25,10 +25,16 @@ from sglang_kda.policy.budget import (
 )
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 
-# Roughly this machine's tiny model: 20 ms per forward, serial KDA steps dominate prefill.
+# Roughly this machine's tiny model: 20 ms per forward, more with a prefill slice, serial KDA
+# steps dominate prefill.
 MODEL = CostModel(
     Coefficients(
-        overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_attn_unit=1e-9, per_decode_ctx=1e-8
+        overhead=0.02,
+        per_token=2e-5,
+        per_kda_step=4e-4,
+        per_attn_unit=1e-9,
+        per_decode_ctx=1e-8,
+        per_prefill_round=1e-3,
     ),
     kda_layers=3,
     mla_layers=1,
@@ -48,11 +54,11 @@ def test_deadline_arithmetic():
 
 def test_slack_arithmetic_by_hand():
     p = Prefill("a", deadline=50.0, done=0, total=4096 * 2)
-    alone = 2 * MODEL.coef.overhead + MODEL.prefill_work(0, 8192)
+    alone = 2 * MODEL.slice_round() + MODEL.prefill_work(0, 8192)
     assert slack(MODEL, p, 10.0, CFG) == pytest.approx(50.0 - 10.0 - alone)
     # Progress and the passing of time move slack by exactly what they should.
     p.done = 4096
-    alone2 = MODEL.coef.overhead + MODEL.prefill_work(4096, 8192)
+    alone2 = MODEL.slice_round() + MODEL.prefill_work(4096, 8192)
     assert slack(MODEL, p, 12.0, CFG) == pytest.approx(50.0 - 12.0 - alone2)
 
 

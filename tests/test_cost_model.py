@@ -25,7 +25,12 @@ from sglang_kda.policy.cost_model import (
 
 TRUE = CostModel(
     Coefficients(
-        overhead=4e-3, per_token=3e-5, per_kda_step=5e-4, per_attn_unit=2e-9, per_decode_ctx=2e-9
+        overhead=4e-3,
+        per_token=3e-5,
+        per_kda_step=5e-4,
+        per_attn_unit=2e-9,
+        per_decode_ctx=2e-9,
+        per_prefill_round=3e-3,
     ),
     kda_layers=3,
     mla_layers=1,
@@ -52,7 +57,9 @@ def test_features_by_hand():
         (1 + 2 + 1) * 3,  # slices' chunk steps + one decode step, x 3 KDA layers
         64 * (128 + 32) + 65 * 32.5,
         300.0,
+        1.0,  # a round with a prefill slice
     ]
+    assert TRUE.features(BatchShape.of(decode_ctx=[100]))[5] == 0.0
 
 
 def test_parallel_slices_take_the_longest():
@@ -83,7 +90,7 @@ def test_prefill_work_is_the_sum_of_grid_slices(start, n_grid, slice_grid):
         total += TRUE.predict(BatchShape.of(slices=[(pos, c)]))
         pos += c
         rounds += 1
-    assert total - rounds * TRUE.coef.overhead == pytest.approx(TRUE.prefill_work(start, end))
+    assert total - rounds * TRUE.slice_round() == pytest.approx(TRUE.prefill_work(start, end))
     assert TRUE.alone_time(start, end, 64 * slice_grid) == pytest.approx(total)
 
 

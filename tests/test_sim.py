@@ -407,3 +407,23 @@ def test_a_round_after_a_pause_pays_the_wake_up():
     assert [round(x, 9) for x in d] == [0.02, 0.0, 0.02, 0.0]
     with pytest.raises(ValueError):
         SimConfig(idle_wake_s=-1.0)
+
+
+def test_requests_arriving_together_enter_one_after_another():
+    """``ingress_gap_s``: the way in takes one request at a time. Four prompts sent at one
+    instant reach the scheduler ``gap`` apart, so an idle rank starts a round with the first
+    alone and the others share the next (as the CPU server does); without a gap all four share
+    the first round. Entries keep the fixed ingress delay on top."""
+    tr = T.Trace([T.TraceRequest(f"r{i}", 2, t=0.0, segments=((f"r{i}", 64),)) for i in range(4)])
+    together = run(tr, policy="kda", ingress_s=0.01)
+    spread = run(tr, policy="kda", ingress_s=0.01, ingress_gap_s=0.0005)
+    for res in (together, spread):
+        check_invariants(res, tr)
+    first = [len(r.slices) for r in together.ranks[0].rounds if r.slices]
+    assert first == [4]
+    rounds = spread.ranks[0].rounds
+    assert [len(r.slices) for r in rounds if r.slices] == [1, 3]
+    assert rounds[0].start == pytest.approx(0.01)
+    assert all(r.arrival == 0.0 for r in spread.requests)  # arrival is the client's send
+    with pytest.raises(ValueError):
+        SimConfig(ingress_gap_s=-1.0)

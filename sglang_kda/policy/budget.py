@@ -221,9 +221,10 @@ def finish_time(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, s: int, cfg: BudgetConfig
 ) -> float:
     """Predicted seconds until ``p`` is done, taking slices of ``s`` tokens with the decode tokens
-    riding along every round (closed form: rounds x (overhead + decode) + prefill work)."""
+    riding along every round (closed form: rounds x (overhead + extend path + decode) + prefill
+    work)."""
     n = _rounds(p.done, p.remaining, s, cfg.grid)
-    per_round = model.coef.overhead + model.decode_cost(decode_ctx)
+    per_round = model.slice_round(decode_ctx)
     return n * per_round + model.prefill_work(p.done, p.total)
 
 
@@ -253,7 +254,7 @@ def needed_slice(
     """The smallest grid-multiple slice with which ``p`` still meets its deadline while decode
     rides along each round (``None``: none up to ``max_slice`` does; run alone)."""
     left = (p.deadline - now) / cfg.safety
-    per_round = model.coef.overhead + model.decode_cost(decode_ctx)
+    per_round = model.slice_round(decode_ctx)
     rounds_max = math.floor((left - model.prefill_work(p.done, p.total)) / per_round)
     if rounds_max < 1:
         return None

@@ -8,7 +8,7 @@ context so far. A slice of ``c`` tokens after a prefix of ``L`` tokens does atte
 telescopes to ``(end**2 - start**2) / 2`` however the prompt is sliced
 (:func:`attention_work`).
 
-The model is linear in five features of a batch (:class:`BatchShape`), each with its own
+The model is linear in six features of a batch (:class:`BatchShape`), each with its own
 coefficient in seconds (:class:`Coefficients`)::
 
     t = overhead                                   # one forward: launch, sampling, scheduling
@@ -16,6 +16,13 @@ coefficient in seconds (:class:`Coefficients`)::
       + per_kda_step   * kda_layers * serial KDA chunk steps
       + per_attn_unit  * mla_layers * sum c * (L + c / 2)         # MLA prefill attention
       + per_decode_ctx * mla_layers * sum of decode context lengths
+      + per_prefill_round * (1 if the batch has a prefill slice)  # the extend path's fixed cost
+
+The last term is what a forward with prefill costs beyond a decode step whatever its size: on the
+CPU engine the extend path (chunked KDA, MLA extend attention, the prefill result handling) costs
+about one more decode step even for a one-token slice (tiny model, per-step trace of a validation
+run: 20 ms for a 1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request decode step);
+without it a fit must choose between the small slices and the large ones. GPU models leave it 0.
 
 Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
 another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
@@ -105,6 +112,7 @@ class Coefficients:
     per_kda_step: float = 2e-4
     per_attn_unit: float = 1e-9
     per_decode_ctx: float = 1e-8
+    per_prefill_round: float = 0.0
 
     def as_vector(self) -> np.ndarray:
         return np.array(
@@ -114,6 +122,7 @@ class Coefficients:
                 self.per_kda_step,
                 self.per_attn_unit,
                 self.per_decode_ctx,
+                self.per_prefill_round,
             ]
         )
 
@@ -139,7 +148,7 @@ class CostModel:
 
     # -- features -------------------------------------------------------------------------
     def features(self, shape: BatchShape) -> np.ndarray:
-        """The five features of ``shape`` (layer counts folded in), in coefficient order."""
+        """The six features of ``shape`` (layer counts folded in), in coefficient order."""
         steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
         serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
         if shape.decode_ctx:
@@ -152,6 +161,7 @@ class CostModel:
                 float(serial * self.kda_layers),
                 float(attn * self.mla_layers),
                 float(sum(shape.decode_ctx) * self.mla_layers),
+                1.0 if shape.slices else 0.0,
             ]
         )
 
@@ -171,6 +181,7 @@ class CostModel:
             + c.per_kda_step * self.kda_layers * serial
             + c.per_attn_unit * self.mla_layers * attn
             + c.per_decode_ctx * self.mla_layers * sum(shape.decode_ctx)
+            + (c.per_prefill_round if shape.slices else 0.0)
         )
 
     # -- pieces the budget needs in closed form ---------------------------------------------
@@ -184,6 +195,12 @@ class CostModel:
             + c.per_kda_step * self.kda_layers
             + c.per_decode_ctx * self.mla_layers * sum(decode_ctx)
         )
+
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
+        """The fixed part of a round that carries a slice (its overhead, the extend path's fixed
+        cost and the decode tokens riding along): what each extra round of a sliced prefill
+        costs beyond :meth:`prefill_work`."""
+        return self.coef.overhead + self.coef.per_prefill_round + self.decode_cost(decode_ctx)
 
     def prefill_work(self, start: int, end: int) -> float:
         """Seconds of prefilling tokens ``[start, end)`` on the grid, without round overheads.
@@ -206,7 +223,7 @@ class CostModel:
         if end <= start:
             return 0.0
         rounds = -(-(end - start) // max(1, max_slice))
-        return rounds * self.coef.overhead + self.prefill_work(start, end)
+        return rounds * self.slice_round() + self.prefill_work(start, end)
 
     # -- file format ----------------------------------------------------------------------
     def to_dict(self, key: str = "") -> dict:

@@ -40,6 +40,8 @@ class RoundCost(Protocol):
 
     def decode_cost(self, decode_ctx: Sequence[int]) -> float: ...
 
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float: ...
+
     def prefill_work(self, start: int, end: int) -> float: ...
 
     def alone_time(self, start: int, end: int, max_slice: int) -> float: ...
@@ -247,6 +249,9 @@ class KimiLinearH200:
         if not decode_ctx:
             return 0.0
         return self.predict(BatchShape.of(decode_ctx)) - self.coef.overhead
+
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
+        return self.coef.overhead + self.decode_cost(decode_ctx)
 
     def prefill_work(self, start: int, end: int) -> float:
         if end <= start:

@@ -93,6 +93,12 @@ class SimConfig:
         SGLang's LRU whatever this says.
     ingress_s: delay between a request's arrival and its entering the scheduler (HTTP,
         tokenizer); counted in its TTFT.
+    ingress_gap_s: requests arriving together enter one after another, this far apart: the
+        way in (client, HTTP server, tokenizer manager) takes one request at a time, so four
+        requests sent at once reach the scheduler over a millisecond or so, and an idle
+        scheduler starts a round with the first alone (measured on the CPU server: four
+        requests released by one event were sent 0.2-0.5 ms apart; ``benchmark/sim_validate.py``
+        measures it).
     idle_wake_s / idle_wake_after_s: a rank that sat idle for at least ``idle_wake_after_s``
         takes ``idle_wake_s`` longer over its next round (the CPU server's first forward after
         a pause is slower: caches and pages gone cold; ``benchmark/sim_validate.py`` fits it).
@@ -123,6 +129,7 @@ class SimConfig:
     max_checkpoints: Optional[int] = None
     max_tokens: Optional[int] = None
     ingress_s: float = 0.0
+    ingress_gap_s: float = 0.0
     idle_wake_s: float = 0.0
     idle_wake_after_s: float = 0.05
     integrity: bool = False
@@ -148,6 +155,8 @@ class SimConfig:
             raise ValueError("round_jitter factors must be > 0")
         if not (self.idle_wake_s >= 0 and self.idle_wake_after_s >= 0):
             raise ValueError("idle_wake_s and idle_wake_after_s must be >= 0")
+        if not (self.ingress_s >= 0 and self.ingress_gap_s >= 0):
+            raise ValueError("ingress_s and ingress_gap_s must be >= 0")
         alpha = eviction_mod.parse_eviction(self.eviction)
         self.alpha = alpha if self.policy == "kda" else None
 
@@ -574,6 +583,7 @@ def simulate(
 
     last = 0.0
     rounds = 0
+    ingress_free = -math.inf  # the way in is a single server (SimConfig.ingress_gap_s)
     watch = [reqs[rid] for rid in stop_when_done]
     while not (watch and all(r.state == "done" for r in watch)):
         t_arr = heap[0][0] if heap else math.inf
@@ -588,8 +598,10 @@ def simulate(
             r = reqs[rid]
             if kind == 0:  # arrival at the server
                 r.arrival = t
-                if cfg.ingress_s > 0:
-                    heapq.heappush(heap, (t + cfg.ingress_s, seq, rid, 1))
+                start = max(t, ingress_free)
+                ingress_free = start + cfg.ingress_gap_s
+                if start + cfg.ingress_s > t:
+                    heapq.heappush(heap, (start + cfg.ingress_s, seq, rid, 1))
                     seq += 1
                     continue
             route.pick(ranks, r).enqueue(r, t)

@@ -250,11 +250,17 @@ def long_among_decodes(
     long_out=4,
     deadline_s=None,
     seed=0,
+    stagger_s=0.01,
 ):
-    """``streams`` decode streams (short prompts, long outputs) start at 0; one long prompt
-    arrives at ``long_at_s``."""
+    """``streams`` decode streams (short prompts, long outputs) start ``stagger_s`` apart from
+    0; one long prompt arrives at ``long_at_s``."""
     reqs = [
-        TraceRequest(f"dec{i}", stream_out, t=0.01 * i, segments=_seg((f"s{i}", stream_prompt)))
+        TraceRequest(
+            f"dec{i}",
+            stream_out,
+            t=round(stagger_s * i, 6),
+            segments=_seg((f"s{i}", stream_prompt)),
+        )
         for i in range(streams)
     ]
     reqs.append(
