@@ -17,12 +17,12 @@ For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model
    ``/flush_cache`` before each; the client honours arrival times and ``after`` dependencies,
    streams ``/generate`` with ``input_ids``);
 
-and one last calibration closes the last round. Round ``i``'s simulator uses the cost model
-fitted (non-negative least squares: the coefficients of
-:class:`sglang_kda.policy.cost_model.CostModel`, the budget's cost model and the simulator's
-clock, plus the fixed cost and the wake-up) on the calibrations before and after that round: the
-machine's speed drifts over minutes, and the simulator is given the machine as that round's
-workloads saw it. Each workload is simulated with ``--sim-seeds`` draws of the measured
+and one last calibration closes the last round. The cost model (non-negative least squares: the
+coefficients of :class:`sglang_kda.policy.cost_model.CostModel`, the budget's cost model and the
+simulator's clock, plus the fixed cost and the wake-up) is fitted on all the calibrations; round
+``i``'s simulator runs it scaled by one speed factor measured on the calibrations before and
+after that round: the machine's speed drifts over minutes, and the simulator is given the
+machine as that round's workloads saw it. Each workload is simulated with ``--sim-seeds`` draws of the measured
 round-time spread and the median taken.
 
 It prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
@@ -281,6 +281,27 @@ def busy_trace() -> T.Trace:
     return T.Trace(reqs, name="cal_busy")
 
 
+CAL_HITS = ((64, 64), (256, 20), (640, 160))  # (cached prompt, new tokens after it)
+
+
+def hits_trace() -> T.Trace:
+    """Prompts that continue a cached one: each base prompt alone, then the base plus new
+    tokens (one output token each, one at a time, twice over). The second's TTFT is fixed + one
+    round of a slice after a cached prefix (the prefix path's cost; the cached length is read
+    back from ``meta_info``)."""
+    reqs, prev = [], None
+    for k in range(2):
+        for i, (base, extra) in enumerate(CAL_HITS):
+            for rid, segs in (
+                (f"hb{k}.{i}", ((f"hb{i}", base),)),
+                (f"hx{k}.{i}", ((f"hb{i}", base), (f"hx{i}", extra))),
+            ):
+                kw = dict(t=0.0) if prev is None else dict(after=prev, delay=0.2)
+                reqs.append(T.TraceRequest(rid, 1, segments=segs, **kw))
+                prev = rid
+    return T.Trace(reqs, name="cal_hits")
+
+
 def _group(streams: dict[str, Real], g: int) -> list[Real]:
     return [r for k, r in sorted(streams.items()) if k.startswith(f"st{g}.")]
 
@@ -316,6 +337,8 @@ def fit_cpu_model(
     stream_runs: list[dict[str, Real]],
     stat: str = "median",
     busy_runs: list[dict[str, Real]] | None = None,
+    hit_runs: list[dict[str, Real]] | None = None,
+    like: tuple[CostModel, float, float] | None = None,
 ) -> tuple[CostModel, float, float]:
     """NNLS fit of the budget's cost model (+ a fixed per-request delay) on the calibration.
 
@@ -331,8 +354,15 @@ def fit_cpu_model(
     more than one request costs). Every one of those prompts reaches an idle server, so its first
     round also pays the wake-up after a pause (``SimConfig.idle_wake_s``); the prompts of
     :func:`busy_trace` reach a busy server (TTFT = fixed + half a decode round on average + one
-    prefill round), which tells the two apart. Returns (model, fixed, wake); without busy runs
-    (older raw records) the wake-up stays inside the fixed time (0)."""
+    prefill round), which tells the two apart. The prompts of :func:`hits_trace` continue a
+    cached prompt (TTFT = fixed + wake-up + a round of a slice after a prefix). Returns (model,
+    fixed, wake); without busy runs the wake-up stays inside the fixed time (0).
+
+    With ``like`` (a model, fixed, wake fitted before), nothing is refitted: every term of
+    ``like`` is multiplied by one speed factor, the median over these rows of measured /
+    predicted. That is how a round gets its model: the cost structure from the whole run's
+    calibrations (a 15 s calibration on this noisy machine moves single coefficients by 2x), the
+    machine's speed from the calibrations around the round."""
     if stat not in ("median", "min"):
         raise ValueError("stat: median or min")
     reduce = (lambda xs: float(np.median(xs))) if stat == "median" else min
@@ -340,21 +370,25 @@ def fit_cpu_model(
     nf = len(base.features(BatchShape.of([1])))  # the cost model's features; then fixed, wake
     rows, ys = [], []
 
-    def chunked(n: int):
+    def chunked(n: int, done: int = 0):
         f = np.zeros(nf)
-        done = 0
         while done < n:
             c = min(CHUNK, n - done)
             f += base.features(BatchShape((), (Slice(done, c),)))
             done += c
         return f
 
-    by_len: dict[int, list[float]] = {}
+    # (prompt length, cached length) -> TTFTs: the alone prompts from nothing, the hits
+    # trace's from what the server had cached.
+    by_len: dict[tuple[int, int], list[float]] = {}
     for alone in alone_runs:
         for r in alone.values():
-            by_len.setdefault(len(r.ids), []).append(r.ttft)
-    for n, ttfts in sorted(by_len.items()):
-        rows.append(np.append(chunked(n), [1.0, 1.0]))
+            by_len.setdefault((len(r.ids), 0), []).append(r.ttft)
+    for hits in hit_runs or []:
+        for r in hits.values():
+            by_len.setdefault((len(r.ids), r.cached_tokens), []).append(r.ttft)
+    for (n, done), ttfts in sorted(by_len.items()):
+        rows.append(np.append(chunked(n, done), [1.0, 1.0]))
         ys.append(reduce(ttfts))
     for g, (bs, n) in enumerate(CAL_STREAMS):
         groups = [_group(streams, g) for streams in stream_runs]
@@ -383,6 +417,13 @@ def fit_cpu_model(
         rows.append(np.append(f, [1.0, 0.0]))
         ys.append(reduce(busy_ttfts))
     x, y = np.array(rows), np.array(ys)
+    if like is not None:
+        v = np.append(like[0].coef.as_vector(), [like[1], like[2]])
+        speed = float(np.median(y / np.maximum(x @ v, 1e-12)))
+        coef = Coefficients.from_vector(v[:nf] * speed)
+        model = CostModel(coef, TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+        print(f"[cal] speed factor {speed:.3f}", flush=True)
+        return model, like[1] * speed, like[2] * speed
     if not busy_ttfts:  # fixed and wake-up always together: one column
         x = x[:, : nf + 1]
     w = 1.0 / y
@@ -533,6 +574,8 @@ def _calibrate(server: Server) -> dict:
     out["cal_streams"] = _records(asyncio.run(run_trace(server.url, cal_streams)))
     server.flush()
     out["cal_busy"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
+    server.flush()
+    out["cal_hits"] = _records(asyncio.run(run_trace(server.url, hits_trace())))
     return out
 
 
@@ -596,13 +639,14 @@ def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
     return out, results[0]
 
 
-def _fit(cals: list[dict], stat: str, jitter: bool):
+def _fit(cals: list[dict], stat: str, jitter: bool, like=None):
     cal_alone, cal_streams = calibration_trace()
     busy = busy_trace()
     alone_runs = [_from_records(cal_alone, c["cal_alone"]) for c in cals]
     stream_runs = [_from_records(cal_streams, c["cal_streams"]) for c in cals]
     busy_runs = [_from_records(busy, c["cal_busy"]) for c in cals]
-    model, fixed, wake = fit_cpu_model(alone_runs, stream_runs, stat, busy_runs)
+    hit_runs = [_from_records(hits_trace(), c["cal_hits"]) for c in cals]
+    model, fixed, wake = fit_cpu_model(alone_runs, stream_runs, stat, busy_runs, hit_runs, like)
     factors = round_jitter(stream_runs) if jitter else ()
     return (
         model,
@@ -645,7 +689,8 @@ def evaluate(raw: dict, stat: str = "median", jitter: bool = True, seeds: int = 
             "round_jitter": list(factors),
         },
     )
-    per_round = [_fit(cals[i : i + 2], stat, jitter) for i in range(len(rounds))]
+    like = (model, timing["ingress_s"], timing["idle_wake_s"])
+    per_round = [_fit(cals[i : i + 2], stat, jitter, like) for i in range(len(rounds))]
     rows = []
     for name, tr in workloads(raw["quick"]).items():
         reals, sims = [], []

@@ -224,8 +224,7 @@ def finish_time(
     riding along every round (closed form: rounds x (overhead + extend path + decode) + prefill
     work)."""
     n = _rounds(p.done, p.remaining, s, cfg.grid)
-    per_round = model.slice_round(decode_ctx)
-    return n * per_round + model.prefill_work(p.done, p.total)
+    return model.slice_rounds(p.done, n, decode_ctx) + model.prefill_work(p.done, p.total)
 
 
 def burst_slice(

@@ -8,7 +8,7 @@ context so far. A slice of ``c`` tokens after a prefix of ``L`` tokens does atte
 telescopes to ``(end**2 - start**2) / 2`` however the prompt is sliced
 (:func:`attention_work`).
 
-The model is linear in six features of a batch (:class:`BatchShape`), each with its own
+The model is linear in seven features of a batch (:class:`BatchShape`), each with its own
 coefficient in seconds (:class:`Coefficients`)::
 
     t = overhead                                   # one forward: launch, sampling, scheduling
@@ -17,12 +17,16 @@ coefficient in seconds (:class:`Coefficients`)::
       + per_attn_unit  * mla_layers * sum c * (L + c / 2)         # MLA prefill attention
       + per_decode_ctx * mla_layers * sum of decode context lengths
       + per_prefill_round * (1 if the batch has a prefill slice)  # the extend path's fixed cost
+      + per_prefix_slice  * slices that continue a cached prefix  # prefix attention path
 
 The last term is what a forward with prefill costs beyond a decode step whatever its size: on the
 CPU engine the extend path (chunked KDA, MLA extend attention, the prefill result handling) costs
 about one more decode step even for a one-token slice (tiny model, per-step trace of a validation
 run: 20 ms for a 1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request decode step);
-without it a fit must choose between the small slices and the large ones. GPU models leave it 0.
+without it a fit must choose between the small slices and the large ones. A slice after a
+cached prefix (a cache hit, or a chunked prompt's later slices) costs a few ms more again,
+whatever the prefix length (same trace: 256 tokens 30 ms from 0, 35-37 ms after 256-1,280
+cached tokens). GPU models leave both 0.
 
 Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
 another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
@@ -113,6 +117,7 @@ class Coefficients:
     per_attn_unit: float = 1e-9
     per_decode_ctx: float = 1e-8
     per_prefill_round: float = 0.0
+    per_prefix_slice: float = 0.0
 
     def as_vector(self) -> np.ndarray:
         return np.array(
@@ -123,6 +128,7 @@ class Coefficients:
                 self.per_attn_unit,
                 self.per_decode_ctx,
                 self.per_prefill_round,
+                self.per_prefix_slice,
             ]
         )
 
@@ -148,7 +154,7 @@ class CostModel:
 
     # -- features -------------------------------------------------------------------------
     def features(self, shape: BatchShape) -> np.ndarray:
-        """The six features of ``shape`` (layer counts folded in), in coefficient order."""
+        """The seven features of ``shape`` (layer counts folded in), in coefficient order."""
         steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
         serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
         if shape.decode_ctx:
@@ -162,6 +168,7 @@ class CostModel:
                 float(attn * self.mla_layers),
                 float(sum(shape.decode_ctx) * self.mla_layers),
                 1.0 if shape.slices else 0.0,
+                float(sum(1 for s in shape.slices if s.prefix > 0)),
             ]
         )
 
@@ -182,6 +189,7 @@ class CostModel:
             + c.per_attn_unit * self.mla_layers * attn
             + c.per_decode_ctx * self.mla_layers * sum(shape.decode_ctx)
             + (c.per_prefill_round if shape.slices else 0.0)
+            + c.per_prefix_slice * sum(1 for s in shape.slices if s.prefix > 0)
         )
 
     # -- pieces the budget needs in closed form ---------------------------------------------
@@ -196,11 +204,27 @@ class CostModel:
             + c.per_decode_ctx * self.mla_layers * sum(decode_ctx)
         )
 
-    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
-        """The fixed part of a round that carries a slice (its overhead, the extend path's fixed
-        cost and the decode tokens riding along): what each extra round of a sliced prefill
-        costs beyond :meth:`prefill_work`."""
-        return self.coef.overhead + self.coef.per_prefill_round + self.decode_cost(decode_ctx)
+    def slice_round(self, decode_ctx: Sequence[int] = (), prefix: bool = True) -> float:
+        """The fixed part of a round that carries one slice (its overhead, the extend path's
+        fixed cost, the prefix path's when the slice continues a cached prefix, and the decode
+        tokens riding along): what each round of a sliced prefill costs beyond
+        :meth:`prefill_work`."""
+        c = self.coef
+        return (
+            c.overhead
+            + c.per_prefill_round
+            + (c.per_prefix_slice if prefix else 0.0)
+            + self.decode_cost(decode_ctx)
+        )
+
+    def slice_rounds(self, start: int, rounds: int, decode_ctx: Sequence[int] = ()) -> float:
+        """The fixed part of ``rounds`` rounds of one prefill from ``start``: every round after
+        the first continues a prefix, the first does when ``start > 0``."""
+        if rounds <= 0:
+            return 0.0
+        return rounds * self.slice_round(decode_ctx) - (
+            self.coef.per_prefix_slice if start == 0 else 0.0
+        )
 
     def prefill_work(self, start: int, end: int) -> float:
         """Seconds of prefilling tokens ``[start, end)`` on the grid, without round overheads.
@@ -223,7 +247,7 @@ class CostModel:
         if end <= start:
             return 0.0
         rounds = -(-(end - start) // max(1, max_slice))
-        return rounds * self.slice_round() + self.prefill_work(start, end)
+        return self.slice_rounds(start, rounds) + self.prefill_work(start, end)
 
     # -- file format ----------------------------------------------------------------------
     def to_dict(self, key: str = "") -> dict:
