@@ -6,24 +6,26 @@ One command (a few minutes on the 2-core machine)::
     .venv/bin/python benchmark/sim_validate.py --policies stock,kda
 
 For each policy it starts ``python -m sglang_kda.launch_server`` (the tiny model,
-``--chunked-prefill-size 256``, FCFS), then, in ``--repeat`` rounds (5 by default),
+``--chunked-prefill-size 256``, FCFS, ``SGLANG_KDA_STEP_TRACE`` on), then, in ``--repeat``
+rounds (5 by default),
 
-1. **calibrates** the CPU cost model on that server: prompts of several lengths alone
-   (``max_new_tokens 1``: TTFT = the sum of its prefill rounds + a fixed per-request
-   ingress/egress cost), decode streams at batch 1 and 4 (ITL = one decode round), and 64-token
-   prompts reaching a busy server (tells the fixed cost from the wake-up after a pause);
+1. **calibrates** (~15 s): prompts of 20-2,600 tokens alone, prompts continuing a cached one,
+   decode streams at batch 1 and 4, four prompts sent at one instant, and 64-token prompts
+   reaching a busy server; the server's step trace times every round of it;
 2. runs each validation trace once (``sglang_kda.sim.trace`` generators: shared prefix,
    multi-turn, twin bursts, off-grid divergence, repeats, long prompt among decode streams;
    ``/flush_cache`` before each; the client honours arrival times and ``after`` dependencies,
    streams ``/generate`` with ``input_ids``);
 
-and one last calibration closes the last round. The cost model (non-negative least squares: the
-coefficients of :class:`sglang_kda.policy.cost_model.CostModel`, the budget's cost model and the
-simulator's clock, plus the fixed cost and the wake-up) is fitted on all the calibrations; round
-``i``'s simulator runs it scaled by one speed factor measured on the calibrations before and
-after that round: the machine's speed drifts over minutes, and the simulator is given the
-machine as that round's workloads saw it. Each workload is simulated with ``--sim-seeds`` draws of the measured
-round-time spread and the median taken.
+and one last calibration closes the last round. The cost model (the coefficients of
+:class:`sglang_kda.policy.cost_model.CostModel`, the budget's cost model and the simulator's
+clock, and the wake-up after a pause) is fitted on the calibration rounds' measured periods
+(:func:`fit_cpu_model`), the fixed per-request time on the calibration prompts' TTFTs beyond
+their rounds, the ingress gap on the prompts sent together, the round-time spread on the decode
+streams' ITLs. Round ``i``'s simulator runs that model scaled by one speed factor measured on
+the calibrations before and after the round: the machine's speed drifts over minutes, and the
+simulator is given the machine as that round's workloads saw it. Each workload is simulated with
+``--sim-seeds`` draws of the round-time spread and the median taken.
 
 It prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
 TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
@@ -33,7 +35,8 @@ against its round 1 (the noise floor); and ends with
 ``simulator vs server: worst latency error X%; token counts identical: yes/no`` (token counts
 must agree in every round).
 
-The raw per-request records are kept in ``results/sim/validate_raw_<policy>.json``;
+The raw per-request records and the calibrations' steps are kept in
+``results/sim/validate_raw_<policy>.json``;
 ``--from-raw`` refits and resimulates from them without a server.
 """
 
@@ -85,7 +88,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, policy: str, extra: list[str], log: Path) -> None:
+    def __init__(
+        self, policy: str, extra: list[str], log: Path, step_trace: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model = REPO / "models" / "tiny-kimi-linear"
@@ -103,6 +108,8 @@ class Server:
             cmd += ["--model-path", str(model)]
         env = dict(os.environ)
         env.pop("SGLANG_USE_CPU_ENGINE", None)
+        if step_trace is not None:
+            env["SGLANG_KDA_STEP_TRACE"] = str(step_trace)
         self.log = log
         self._fh = open(log, "wb")
         self.proc = subprocess.Popen(
@@ -332,120 +339,125 @@ def ingress_gap(stream_runs: list[dict[str, Real]]) -> float:
     return float(np.median(gaps)) if gaps else 0.0
 
 
-def fit_cpu_model(
-    alone_runs: list[dict[str, Real]],
-    stream_runs: list[dict[str, Real]],
-    stat: str = "median",
-    busy_runs: list[dict[str, Real]] | None = None,
-    hit_runs: list[dict[str, Real]] | None = None,
-    like: tuple[CostModel, float, float] | None = None,
-) -> tuple[CostModel, float, float]:
-    """NNLS fit of the budget's cost model (+ a fixed per-request delay) on the calibration.
+STEP_GAP_MAX = 0.015  # a step whose next one starts within this after it ends: back to back
 
-    ``stat`` is how each calibration point reduces its repeated observations: ``median`` (the
-    typical round, what the validation's p50s compare against; the default since the launcher
-    gives one CPU rank cores - 1 threads and the server repeats itself) or ``min`` (the
-    least-contended observation: the fastest of the repeated prompts, the 25th percentile of a
-    decode group's ITLs; for a machine shared with other jobs, where contention only ever adds
-    time). Each point pools its observations over the calibration runs given (the ones around a
-    round). Rows: each prompt length alone (TTFT = fixed + its chunked rounds), each decode
-    group (ITL = one decode round), and each stream group whose prompts all got their first
-    token in one round (TTFT = fixed + one prefill round of several slices: what a round with
-    more than one request costs). Every one of those prompts reaches an idle server, so its first
-    round also pays the wake-up after a pause (``SimConfig.idle_wake_s``); the prompts of
-    :func:`busy_trace` reach a busy server (TTFT = fixed + half a decode round on average + one
-    prefill round), which tells the two apart. The prompts of :func:`hits_trace` continue a
-    cached prompt (TTFT = fixed + wake-up + a round of a slice after a prefix). Returns (model,
-    fixed, wake); without busy runs the wake-up stays inside the fixed time (0).
 
-    With ``like`` (a model, fixed, wake fitted before), nothing is refitted: every term of
-    ``like`` is multiplied by one speed factor, the median over these rows of measured /
-    predicted. That is how a round gets its model: the cost structure from the whole run's
-    calibrations (a 15 s calibration on this noisy machine moves single coefficients by 2x), the
-    machine's speed from the calibrations around the round."""
-    if stat not in ("median", "min"):
-        raise ValueError("stat: median or min")
-    reduce = (lambda xs: float(np.median(xs))) if stat == "median" else min
-    base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
-    nf = len(base.features(BatchShape.of([1])))  # the cost model's features; then fixed, wake
-    rows, ys = [], []
+def step_shape(row: dict) -> BatchShape:
+    """The cost model's shape of one ``SGLANG_KDA_STEP_TRACE`` step: a decode step's sequences
+    decode; a mixed step's one-token sequences decode and the others are slices; an extend
+    step's sequences are all slices."""
+    ext, pre, mode = row.get("ext", []), row.get("pre", []), row.get("mode") or ""
+    dec, sl = [], []
+    for e, p in zip(ext, pre):
+        if mode == "DECODE" or (mode == "MIXED" and e == 1):
+            dec.append(p + e)
+        else:
+            sl.append(Slice(p, e))
+    return BatchShape(tuple(dec), tuple(sl))
 
-    def chunked(n: int, done: int = 0):
-        f = np.zeros(nf)
-        while done < n:
-            c = min(CHUNK, n - done)
-            f += base.features(BatchShape((), (Slice(done, c),)))
-            done += c
-        return f
 
-    # (prompt length, cached length) -> TTFTs: the alone prompts from nothing, the hits
-    # trace's from what the server had cached.
-    by_len: dict[tuple[int, int], list[float]] = {}
-    for alone in alone_runs:
-        for r in alone.values():
-            by_len.setdefault((len(r.ids), 0), []).append(r.ttft)
-    for hits in hit_runs or []:
-        for r in hits.values():
-            by_len.setdefault((len(r.ids), r.cached_tokens), []).append(r.ttft)
-    for (n, done), ttfts in sorted(by_len.items()):
-        rows.append(np.append(chunked(n, done), [1.0, 1.0]))
-        ys.append(reduce(ttfts))
-    for g, (bs, n) in enumerate(CAL_STREAMS):
-        groups = [_group(streams, g) for streams in stream_runs]
-        # Decode rounds where the group's streams run together: their later ITLs (a gap of 0 is
-        # two tokens in one streamed chunk, not a round).
-        itls = [x for group in groups for r in group for x in r.itls[2:] if x > 0]
-        f = base.features(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
-        rows.append(np.append(f, [0.0, 0.0]))
-        ys.append(float(np.percentile(itls, 50 if stat == "median" else 25)))
-        # One prefill round of bs slices: the groups whose first tokens all came in one round.
-        one_round = [
-            r.ttft
-            for group in groups
-            if max(r.token_times[0] for r in group) - min(r.token_times[0] for r in group) < 2e-3
-            for r in group
-        ]
-        if bs > 1 and bs * n <= CHUNK and one_round:
-            f = base.features(BatchShape((), tuple(Slice(0, n) for _ in range(bs))))
-            rows.append(np.append(f, [1.0, 1.0]))
-            ys.append(reduce(one_round))
-    busy_ttfts = [r.ttft for run in busy_runs or [] for k, r in run.items() if k != "bs"]
-    if busy_ttfts:
-        # A prompt arriving during decode waits for the round in flight (half of one on
-        # average), then takes one prefill round of its own; no wake-up.
-        f = chunked(64) + 0.5 * base.features(BatchShape.of([64 + CAL_BUSY_STREAM_OUT // 2]))
-        rows.append(np.append(f, [1.0, 0.0]))
-        ys.append(reduce(busy_ttfts))
-    x, y = np.array(rows), np.array(ys)
-    if like is not None:
-        v = np.append(like[0].coef.as_vector(), [like[1], like[2]])
-        speed = float(np.median(y / np.maximum(x @ v, 1e-12)))
-        coef = Coefficients.from_vector(v[:nf] * speed)
-        model = CostModel(coef, TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
-        print(f"[cal] speed factor {speed:.3f}", flush=True)
-        return model, like[1] * speed, like[2] * speed
-    if not busy_ttfts:  # fixed and wake-up always together: one column
-        x = x[:, : nf + 1]
+def step_rows(steps: list[dict], base: CostModel, idle_after: float):
+    """(features + after-idle flag, period) of every step that the next one follows back to
+    back: its period (start to the next start) is what a round costs, the scheduler's work
+    between forwards included. A step that starts more than ``idle_after`` after the previous
+    one ended (or is the first) is a round after a pause (the wake-up column)."""
+    xs, ys = [], []
+    for i in range(len(steps) - 1):
+        a, b = steps[i], steps[i + 1]
+        if "ext" not in a or b["t0"] - a["t1"] > STEP_GAP_MAX:
+            continue
+        woke = i == 0 or a["t0"] - steps[i - 1]["t1"] > idle_after
+        shape = step_shape(a)
+        if shape.is_empty:
+            continue
+        xs.append(np.append(base.features(shape), 1.0 if woke else 0.0))
+        ys.append(b["t0"] - a["t0"])
+    return np.array(xs).reshape(len(xs), -1), np.array(ys)
+
+
+def _nnls_rel(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of relative errors (rows weighted by 1 / y)."""
     w = 1.0 / y
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
     try:
         from scipy.optimize import nnls as scipy_nnls
 
-        v = scipy_nnls(x * w[:, None] / scale, y * w)[0] / scale
+        return scipy_nnls(x * w[:, None] / scale, y * w)[0] / scale
     except ImportError:  # the cost model's own solver
-        v = nnls(x * w[:, None] / scale, y * w) / scale
-    pred = x @ v
-    if not busy_ttfts:
-        v = np.append(v, 0.0)
+        return nnls(x * w[:, None] / scale, y * w) / scale
+
+
+def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostModel, float, float]:
+    """The CPU cost model, the fixed per-request time and the wake-up after a pause, from
+    calibrations (:func:`_calibrate` records with the server's steps).
+
+    The round costs come from the server's own step timings of the calibration
+    (``SGLANG_KDA_STEP_TRACE``: every forward's shape and start/end), hundreds of rounds of
+    known shape per calibration: non-negative least squares of the budget's cost-model features
+    plus a wake-up column (rounds after a pause of at least ``SimConfig.idle_wake_after_s``)
+    on each back-to-back step's period. Client-side times cannot separate a per-request cost
+    from a per-round one (every one-round prompt has both once), the steps can. The fixed
+    per-request time (HTTP, tokenizer, detokenizer, stream) is then what the client sees beyond
+    the rounds: the median over the calibration prompts of TTFT minus their predicted rounds
+    (an idle server's wake-up included; a prompt reaching a busy server also waits half a
+    decode round on average).
+
+    With ``like`` (a model, fixed, wake fitted before), nothing is refitted: every term of
+    ``like`` is multiplied by one speed factor, the median over these calibrations' steps of
+    measured / predicted period. That is how a round gets its model: the cost structure from the
+    whole run's calibrations, the machine's speed from the calibrations around the round (this
+    machine's speed drifts by tens of percent over minutes)."""
+    base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
+    idle_after = SimConfig().idle_wake_after_s
+    parts = [step_rows(c["steps"], base, idle_after) for c in cals]
+    x = np.vstack([p[0] for p in parts])
+    y = np.concatenate([p[1] for p in parts])
+    if len(y) < 20:
+        raise SystemExit(
+            f"only {len(y)} back-to-back steps in the calibration's step trace: "
+            "was the server started with SGLANG_KDA_STEP_TRACE?"
+        )
+    nf = x.shape[1] - 1
+    if like is not None:
+        v = np.append(like[0].coef.as_vector(), like[2])
+        speed = float(np.median(y / np.maximum(x @ v, 1e-12)))
+        model = CostModel(
+            Coefficients.from_vector(v[:nf] * speed), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False
+        )
+        print(f"[cal] speed factor {speed:.3f} ({len(y)} steps)", flush=True)
+        return model, like[1] * speed, like[2] * speed
+    v = _nnls_rel(x, y)
     model = CostModel(Coefficients.from_vector(v[:nf]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
-    err = np.abs(pred - y) / y
+    wake = float(v[nf])
+    err = np.abs(x @ v - y) / y
+
+    def rounds(n: int, done: int = 0) -> float:
+        t = 0.0
+        while done < n:
+            c = min(CHUNK, n - done)
+            t += model.predict(BatchShape((), (Slice(done, c),)))
+            done += c
+        return t
+
+    cal_alone, _ = calibration_trace()
+    residuals = []
+    for c in cals:
+        for r in _from_records(cal_alone, c["cal_alone"]).values():
+            residuals.append(r.ttft - wake - rounds(len(r.ids)))
+        for r in _from_records(hits_trace(), c["cal_hits"]).values():
+            residuals.append(r.ttft - wake - rounds(len(r.ids), r.cached_tokens))
+        decode = model.predict(BatchShape.of([64 + CAL_BUSY_STREAM_OUT // 2]))
+        for k, r in _from_records(busy_trace(), c["cal_busy"]).items():
+            if k != "bs":
+                residuals.append(r.ttft - 0.5 * decode - rounds(64))
+    fixed = max(0.0, float(np.median(residuals)))
     print(
-        f"[cal] coefficients {model.coef}, per-request fixed {v[nf] * 1e3:.1f} ms, wake-up "
-        f"after a pause {v[nf + 1] * 1e3:.1f} ms; fit error mean {err.mean():.1%}, "
-        f"max {err.max():.1%}",
+        f"[cal] {model.coef}, wake-up after a pause {wake * 1e3:.1f} ms, per-request fixed "
+        f"{fixed * 1e3:.1f} ms; fitted on {len(y)} steps: relative error median "
+        f"{np.median(err):.1%}, p90 {np.percentile(err, 90):.1%}",
         flush=True,
     )
-    return model, float(v[nf]), float(v[nf + 1])
+    return model, fixed, wake
 
 
 # --- workloads ---------------------------------------------------------------------------------
@@ -459,8 +471,10 @@ def workloads(quick: bool) -> dict[str, T.Trace]:
     stall (the thing the workload is about) rather than wherever the 99th percentile falls at the
     edge of a cluster of four."""
     w = {
+        # 0.4 s apart: a request is done before the next arrives (a cold one takes ~0.3 s), so
+        # ITL p99 is the decode tail, not whether a few arrivals land on a running request.
         "shared_prefix": T.shared_prefix(
-            groups=4, per_group=6, prefix=700, suffix=100, out=16, gap_s=0.25
+            groups=4, per_group=6, prefix=700, suffix=100, out=16, gap_s=0.4
         ),
         # 20 output tokens (> 16, SGLang's ReplaySSM ring length): where a finished request's
         # state sits (the prompt's end, or later) shows in the next turn's cached tokens.
@@ -567,7 +581,7 @@ def _from_records(trace: T.Trace, d: dict) -> dict[str, Real]:
 
 def _calibrate(server: Server) -> dict:
     cal_alone, cal_streams = calibration_trace()
-    out = {}
+    out = {"window": [time.perf_counter(), 0.0]}  # CLOCK_MONOTONIC, as the step trace's
     server.flush()
     out["cal_alone"] = _records(asyncio.run(run_trace(server.url, cal_alone)))
     server.flush()
@@ -576,6 +590,19 @@ def _calibrate(server: Server) -> dict:
     out["cal_busy"] = _records(asyncio.run(run_trace(server.url, busy_trace())))
     server.flush()
     out["cal_hits"] = _records(asyncio.run(run_trace(server.url, hits_trace())))
+    out["window"][1] = time.perf_counter()
+    return out
+
+
+def _steps_in(path: Path, window) -> list[dict]:
+    """The server's forward steps (``SGLANG_KDA_STEP_TRACE`` lines) that started in
+    ``window``."""
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if window[0] <= row["t0"] <= window[1]:
+                out.append(row)
     return out
 
 
@@ -596,8 +623,9 @@ def collect(policy: str, args, tmp: Path) -> dict:
         "--enable-metrics",
         *args.server_args,
     ]
-    server = Server(policy, extra, tmp / f"{policy}.log")
-    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 2, "rounds": []}
+    trace_path = tmp / f"{policy}.steps.jsonl"
+    server = Server(policy, extra, tmp / f"{policy}.log", step_trace=trace_path)
+    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 3, "rounds": []}
     try:
         # Warm-up (one-time costs).
         asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
@@ -618,6 +646,8 @@ def collect(policy: str, args, tmp: Path) -> dict:
         raw["final"] = _calibrate(server)
     finally:
         server.stop()
+    for cal in raw["rounds"] + ([raw["final"]] if "final" in raw else []):
+        cal["steps"] = _steps_in(trace_path, cal["window"])
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"validate_raw_{policy}.json").write_text(json.dumps(raw))
     return raw
@@ -639,20 +669,13 @@ def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
     return out, results[0]
 
 
-def _fit(cals: list[dict], stat: str, jitter: bool, like=None):
-    cal_alone, cal_streams = calibration_trace()
-    busy = busy_trace()
-    alone_runs = [_from_records(cal_alone, c["cal_alone"]) for c in cals]
+def _fit(cals: list[dict], jitter: bool, like=None):
+    _, cal_streams = calibration_trace()
     stream_runs = [_from_records(cal_streams, c["cal_streams"]) for c in cals]
-    busy_runs = [_from_records(busy, c["cal_busy"]) for c in cals]
-    hit_runs = [_from_records(hits_trace(), c["cal_hits"]) for c in cals]
-    model, fixed, wake = fit_cpu_model(alone_runs, stream_runs, stat, busy_runs, hit_runs, like)
+    model, fixed, wake = fit_cpu_model(cals, like)
     factors = round_jitter(stream_runs) if jitter else ()
-    return (
-        model,
-        dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=ingress_gap(stream_runs)),
-        factors,
-    )
+    timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=ingress_gap(stream_runs))
+    return model, timing, factors
 
 
 def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
@@ -666,18 +689,18 @@ def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
     )
 
 
-def evaluate(raw: dict, stat: str = "median", jitter: bool = True, seeds: int = 5) -> list[dict]:
+def evaluate(raw: dict, jitter: bool = True, seeds: int = 5) -> list[dict]:
     """Per round: fit the CPU cost model on the calibrations around it, simulate every workload,
     and compare the medians over rounds (:func:`compare`)."""
-    if raw.get("format") != 2:
+    if raw.get("format") != 3:
         raise SystemExit(
-            "these raw records predate per-round calibration; rerun without --from-raw"
+            "these raw records predate the step-trace calibration; rerun without --from-raw"
         )
     policy = raw["policy"]
     rounds = raw["rounds"]
     cals = rounds + [raw["final"]]
     # The whole run's calibrations pooled: the model saved for `python -m sglang_kda.sim`.
-    model, timing, factors = _fit(cals, stat, jitter)
+    model, timing, factors = _fit(cals, jitter)
     print(f"[cal] ingress gap {timing['ingress_gap_s'] * 1e3:.2f} ms", flush=True)
     model.save(
         OUT_DIR / f"cpu_cost_model_{policy}.json",
@@ -690,7 +713,7 @@ def evaluate(raw: dict, stat: str = "median", jitter: bool = True, seeds: int = 
         },
     )
     like = (model, timing["ingress_s"], timing["idle_wake_s"])
-    per_round = [_fit(cals[i : i + 2], stat, jitter, like) for i in range(len(rounds))]
+    per_round = [_fit(cals[i : i + 2], jitter, like) for i in range(len(rounds))]
     rows = []
     for name, tr in workloads(raw["quick"]).items():
         reals, sims = [], []
@@ -809,12 +832,6 @@ def main() -> int:
         help="every simulated round takes exactly the cost model's prediction",
     )
     ap.add_argument(
-        "--cal-stat",
-        choices=("median", "min"),
-        default="median",
-        help="how a calibration point reduces its repeats (see fit_cpu_model)",
-    )
-    ap.add_argument(
         "--repeat",
         type=int,
         default=5,
@@ -844,7 +861,7 @@ def main() -> int:
                     if log.exists():
                         print(log.read_text()[-3000:], file=sys.stderr)
                     raise
-        rows += evaluate(raw, args.cal_stat, not args.no_jitter, args.sim_seeds)
+        rows += evaluate(raw, not args.no_jitter, args.sim_seeds)
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)
     return 0

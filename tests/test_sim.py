@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -276,6 +277,14 @@ def test_cli(tmp_path, capsys):
     assert main([str(p), "--policy", "stock,kda", "--chunk", "4096"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert len(lines) == 2 and '"unfinished": 0' in lines[0]
+    # A calibration file's server timings (benchmark/sim_validate.py) ride along with cpu:FILE.
+    cal = tmp_path / "cal.json"
+    COST.save(cal, extra={"per_request_fixed_s": 0.5, "ingress_gap_s": 0.001})
+    assert main([str(p), "--cost", f"cpu:{cal}"]) == 0
+    with_fixed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert main([str(p), "--cost", "cpu"]) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert with_fixed["ttft_p50_ms"] > plain["ttft_p50_ms"] + 400
 
 
 def test_waiting_twin_does_not_end_the_rounds_admissions():

@@ -30,6 +30,28 @@ def cost_from(spec: str):
     raise SystemExit(f"--cost must be cpu, cpu:FILE or h200-tp1/2/4/8, got {spec!r}")
 
 
+# What benchmark/sim_validate.py measures besides the coefficients, saved in the same file:
+# file key -> SimConfig field.
+TIMING_KEYS = {
+    "per_request_fixed_s": "ingress_s",
+    "idle_wake_s": "idle_wake_s",
+    "ingress_gap_s": "ingress_gap_s",
+    "round_jitter": "round_jitter",
+}
+
+
+def timing_from(spec: str) -> dict:
+    """The server timings a ``cpu:FILE`` calibration carries (``{}`` for other cost models), as
+    SimConfig fields: with them the simulator runs as ``benchmark/sim_validate.py`` ran it."""
+    if not spec.startswith("cpu:"):
+        return {}
+    try:
+        d = json.loads(open(spec[4:]).read())
+    except OSError:
+        return {}
+    return {field: d[key] for key, field in TIMING_KEYS.items() if key in d}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_kda.sim", description=__doc__)
     ap.add_argument("trace", nargs="?", help="JSONL trace (see sglang_kda/sim/trace.py)")
@@ -55,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {len(tr.requests)} requests to {args.dump}")
         return 0
     cost = cost_from(args.cost)
+    timing = timing_from(args.cost)
     for policy in args.policy.split(","):
         cfg = SimConfig(
             policy=policy,
@@ -63,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             max_checkpoints=args.max_checkpoints,
             eviction=args.eviction,
+            **timing,
         )
         res = simulate(tr, cfg, cost, dp=args.dp, router=args.router)
         out = {"policy": policy, **summarize(res), "unfinished": len(res.unfinished)}
