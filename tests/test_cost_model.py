@@ -32,6 +32,8 @@ TRUE = CostModel(
         per_decode_ctx=2e-9,
         per_prefill_round=3e-3,
         per_prefix_slice=2e-3,
+        per_decode_seq=1e-4,
+        per_slice=5e-4,
     ),
     kda_layers=3,
     mla_layers=1,
@@ -60,6 +62,8 @@ def test_features_by_hand():
         300.0,
         1.0,  # a round with a prefill slice
         1.0,  # one slice continues a cached prefix
+        2.0,  # decode sequences
+        2.0,  # prefill slices
     ]
     assert TRUE.features(BatchShape.of(decode_ctx=[100]))[5] == 0.0
 

@@ -8,7 +8,7 @@ context so far. A slice of ``c`` tokens after a prefix of ``L`` tokens does atte
 telescopes to ``(end**2 - start**2) / 2`` however the prompt is sliced
 (:func:`attention_work`).
 
-The model is linear in seven features of a batch (:class:`BatchShape`), each with its own
+The model is linear in nine features of a batch (:class:`BatchShape`), each with its own
 coefficient in seconds (:class:`Coefficients`)::
 
     t = overhead                                   # one forward: launch, sampling, scheduling
@@ -18,6 +18,8 @@ coefficient in seconds (:class:`Coefficients`)::
       + per_decode_ctx * mla_layers * sum of decode context lengths
       + per_prefill_round * (1 if the batch has a prefill slice)  # the extend path's fixed cost
       + per_prefix_slice  * slices that continue a cached prefix  # prefix attention path
+      + per_decode_seq    * decode sequences               # per-sequence work of a decode token
+      + per_slice         * prefill slices                 # per-sequence work of a slice
 
 The last term is what a forward with prefill costs beyond a decode step whatever its size: on the
 CPU engine the extend path (chunked KDA, MLA extend attention, the prefill result handling) costs
@@ -26,7 +28,10 @@ run: 20 ms for a 1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request
 without it a fit must choose between the small slices and the large ones. A slice after a
 cached prefix (a cache hit, or a chunked prompt's later slices) costs a few ms more again,
 whatever the prefix length (same trace: 256 tokens 30 ms from 0, 35-37 ms after 256-1,280
-cached tokens). GPU models leave both 0.
+cached tokens). The last two are the per-sequence part of a batch (the CPU attention and KDA
+paths, sampling and output handling go sequence by sequence): on the same trace a 4-sequence
+decode step ran 6% and a 3-slice round 20% over a fit without them. GPU models leave all four
+0.
 
 Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
 another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
@@ -118,6 +123,8 @@ class Coefficients:
     per_decode_ctx: float = 1e-8
     per_prefill_round: float = 0.0
     per_prefix_slice: float = 0.0
+    per_decode_seq: float = 0.0
+    per_slice: float = 0.0
 
     def as_vector(self) -> np.ndarray:
         return np.array(
@@ -129,6 +136,8 @@ class Coefficients:
                 self.per_decode_ctx,
                 self.per_prefill_round,
                 self.per_prefix_slice,
+                self.per_decode_seq,
+                self.per_slice,
             ]
         )
 
@@ -154,7 +163,7 @@ class CostModel:
 
     # -- features -------------------------------------------------------------------------
     def features(self, shape: BatchShape) -> np.ndarray:
-        """The seven features of ``shape`` (layer counts folded in), in coefficient order."""
+        """The nine features of ``shape`` (layer counts folded in), in coefficient order."""
         steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
         serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
         if shape.decode_ctx:
@@ -169,6 +178,8 @@ class CostModel:
                 float(sum(shape.decode_ctx) * self.mla_layers),
                 1.0 if shape.slices else 0.0,
                 float(sum(1 for s in shape.slices if s.prefix > 0)),
+                float(len(shape.decode_ctx)),
+                float(len(shape.slices)),
             ]
         )
 
@@ -190,6 +201,8 @@ class CostModel:
             + c.per_decode_ctx * self.mla_layers * sum(shape.decode_ctx)
             + (c.per_prefill_round if shape.slices else 0.0)
             + c.per_prefix_slice * sum(1 for s in shape.slices if s.prefix > 0)
+            + c.per_decode_seq * len(shape.decode_ctx)
+            + c.per_slice * len(shape.slices)
         )
 
     # -- pieces the budget needs in closed form ---------------------------------------------
@@ -199,7 +212,7 @@ class CostModel:
         if not decode_ctx:
             return 0.0
         return (
-            c.per_token * len(decode_ctx)
+            (c.per_token + c.per_decode_seq) * len(decode_ctx)
             + c.per_kda_step * self.kda_layers
             + c.per_decode_ctx * self.mla_layers * sum(decode_ctx)
         )
@@ -213,6 +226,7 @@ class CostModel:
         return (
             c.overhead
             + c.per_prefill_round
+            + c.per_slice
             + (c.per_prefix_slice if prefix else 0.0)
             + self.decode_cost(decode_ctx)
         )
