@@ -21,17 +21,17 @@ coefficient in seconds (:class:`Coefficients`)::
       + per_decode_seq    * decode sequences               # per-sequence work of a decode token
       + per_slice         * prefill slices                 # per-sequence work of a slice
 
-The last term is what a forward with prefill costs beyond a decode step whatever its size: on the
-CPU engine the extend path (chunked KDA, MLA extend attention, the prefill result handling) costs
-about one more decode step even for a one-token slice (tiny model, per-step trace of a validation
-run: 20 ms for a 1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request decode step);
-without it a fit must choose between the small slices and the large ones. A slice after a
+The last four are fixed costs of the CPU engine (GPU models leave them 0). ``per_prefill_round``
+is what a forward with prefill costs beyond a decode step whatever its size: the extend path
+(chunked KDA, MLA extend attention, the prefill result handling) costs about one more decode
+step even for a one-token slice (tiny model, per-step trace of a validation run: 20 ms for a
+1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request decode step); without it a fit
+must choose between the small slices and the large ones. ``per_prefix_slice``: a slice after a
 cached prefix (a cache hit, or a chunked prompt's later slices) costs a few ms more again,
 whatever the prefix length (same trace: 256 tokens 30 ms from 0, 35-37 ms after 256-1,280
-cached tokens). The last two are the per-sequence part of a batch (the CPU attention and KDA
-paths, sampling and output handling go sequence by sequence): on the same trace a 4-sequence
-decode step ran 6% and a 3-slice round 20% over a fit without them. GPU models leave all four
-0.
+cached tokens). ``per_decode_seq`` and ``per_slice`` are the per-sequence part of a batch (the
+CPU attention and KDA paths, sampling and output handling go sequence by sequence): on the same
+trace a 4-sequence decode step ran 6% and a 3-slice round 20% over a fit without them.
 
 Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
 another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
