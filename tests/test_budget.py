@@ -35,7 +35,6 @@ MODEL = CostModel(
         per_attn_unit=1e-9,
         per_decode_ctx=1e-8,
         per_prefill_round=1e-3,
-        per_prefix_slice=5e-4,
     ),
     kda_layers=3,
     mla_layers=1,
@@ -55,11 +54,11 @@ def test_deadline_arithmetic():
 
 def test_slack_arithmetic_by_hand():
     p = Prefill("a", deadline=50.0, done=0, total=4096 * 2)
-    alone = MODEL.slice_rounds(0, 2) + MODEL.prefill_work(0, 8192)
+    alone = 2 * MODEL.slice_round() + MODEL.prefill_work(0, 8192)
     assert slack(MODEL, p, 10.0, CFG) == pytest.approx(50.0 - 10.0 - alone)
     # Progress and the passing of time move slack by exactly what they should.
     p.done = 4096
-    alone2 = MODEL.slice_rounds(4096, 1) + MODEL.prefill_work(4096, 8192)
+    alone2 = MODEL.slice_round() + MODEL.prefill_work(4096, 8192)
     assert slack(MODEL, p, 12.0, CFG) == pytest.approx(50.0 - 12.0 - alone2)
 
 

@@ -31,7 +31,6 @@ TRUE = CostModel(
         per_attn_unit=2e-9,
         per_decode_ctx=2e-9,
         per_prefill_round=3e-3,
-        per_prefix_slice=2e-3,
         per_decode_seq=1e-4,
         per_slice=5e-4,
     ),
@@ -61,7 +60,6 @@ def test_features_by_hand():
         64 * (128 + 32) + 65 * 32.5,
         300.0,
         1.0,  # a round with a prefill slice
-        1.0,  # one slice continues a cached prefix
         2.0,  # decode sequences
         2.0,  # prefill slices
     ]
@@ -96,8 +94,7 @@ def test_prefill_work_is_the_sum_of_grid_slices(start, n_grid, slice_grid):
         total += TRUE.predict(BatchShape.of(slices=[(pos, c)]))
         pos += c
         rounds += 1
-    fixed = TRUE.slice_rounds(start, rounds)
-    assert total - fixed == pytest.approx(TRUE.prefill_work(start, end))
+    assert total - rounds * TRUE.slice_round() == pytest.approx(TRUE.prefill_work(start, end))
     assert TRUE.alone_time(start, end, 64 * slice_grid) == pytest.approx(total)
 
 

@@ -224,7 +224,7 @@ def finish_time(
     riding along every round (closed form: rounds x (overhead + extend path + decode) + prefill
     work)."""
     n = _rounds(p.done, p.remaining, s, cfg.grid)
-    return model.slice_rounds(p.done, n, decode_ctx) + model.prefill_work(p.done, p.total)
+    return n * model.slice_round(decode_ctx) + model.prefill_work(p.done, p.total)
 
 
 def burst_slice(

@@ -8,7 +8,7 @@ context so far. A slice of ``c`` tokens after a prefix of ``L`` tokens does atte
 telescopes to ``(end**2 - start**2) / 2`` however the prompt is sliced
 (:func:`attention_work`).
 
-The model is linear in nine features of a batch (:class:`BatchShape`), each with its own
+The model is linear in eight features of a batch (:class:`BatchShape`), each with its own
 coefficient in seconds (:class:`Coefficients`)::
 
     t = overhead                                   # one forward: launch, sampling, scheduling
@@ -17,21 +17,18 @@ coefficient in seconds (:class:`Coefficients`)::
       + per_attn_unit  * mla_layers * sum c * (L + c / 2)         # MLA prefill attention
       + per_decode_ctx * mla_layers * sum of decode context lengths
       + per_prefill_round * (1 if the batch has a prefill slice)  # the extend path's fixed cost
-      + per_prefix_slice  * slices that continue a cached prefix  # prefix attention path
       + per_decode_seq    * decode sequences               # per-sequence work of a decode token
       + per_slice         * prefill slices                 # per-sequence work of a slice
 
-The last four are fixed costs of the CPU engine (GPU models leave them 0). ``per_prefill_round``
+The last three are fixed costs of the CPU engine (GPU models leave them 0). ``per_prefill_round``
 is what a forward with prefill costs beyond a decode step whatever its size: the extend path
 (chunked KDA, MLA extend attention, the prefill result handling) costs about one more decode
 step even for a one-token slice (tiny model, per-step trace of a validation run: 20 ms for a
 1-63-token slice, 22 ms for 64 tokens, 9.5 ms for a one-request decode step); without it a fit
-must choose between the small slices and the large ones. ``per_prefix_slice``: a slice after a
-cached prefix (a cache hit, or a chunked prompt's later slices) costs a few ms more again,
-whatever the prefix length (same trace: 256 tokens 30 ms from 0, 35-37 ms after 256-1,280
-cached tokens). ``per_decode_seq`` and ``per_slice`` are the per-sequence part of a batch (the
-CPU attention and KDA paths, sampling and output handling go sequence by sequence): on the same
-trace a 4-sequence decode step ran 6% and a 3-slice round 20% over a fit without them.
+must choose between the small slices and the large ones. ``per_decode_seq`` and ``per_slice``
+are the per-sequence part of a batch (the CPU attention and KDA paths, sampling and output
+handling go sequence by sequence): on the same trace a 4-sequence decode step ran 6% and a
+3-slice round 20% over a fit without them.
 
 Serial KDA steps of several slices in one batch add up on the CPU path (one sequence after
 another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`` takes the
@@ -122,7 +119,6 @@ class Coefficients:
     per_attn_unit: float = 1e-9
     per_decode_ctx: float = 1e-8
     per_prefill_round: float = 0.0
-    per_prefix_slice: float = 0.0
     per_decode_seq: float = 0.0
     per_slice: float = 0.0
 
@@ -135,7 +131,6 @@ class Coefficients:
                 self.per_attn_unit,
                 self.per_decode_ctx,
                 self.per_prefill_round,
-                self.per_prefix_slice,
                 self.per_decode_seq,
                 self.per_slice,
             ]
@@ -163,7 +158,7 @@ class CostModel:
 
     # -- features -------------------------------------------------------------------------
     def features(self, shape: BatchShape) -> np.ndarray:
-        """The nine features of ``shape`` (layer counts folded in), in coefficient order."""
+        """The eight features of ``shape`` (layer counts folded in), in coefficient order."""
         steps = [kda_steps(s.extend, self.chunk) for s in shape.slices]
         serial = (max(steps) if self.parallel_slices else sum(steps)) if steps else 0
         if shape.decode_ctx:
@@ -177,7 +172,6 @@ class CostModel:
                 float(attn * self.mla_layers),
                 float(sum(shape.decode_ctx) * self.mla_layers),
                 1.0 if shape.slices else 0.0,
-                float(sum(1 for s in shape.slices if s.prefix > 0)),
                 float(len(shape.decode_ctx)),
                 float(len(shape.slices)),
             ]
@@ -200,7 +194,6 @@ class CostModel:
             + c.per_attn_unit * self.mla_layers * attn
             + c.per_decode_ctx * self.mla_layers * sum(shape.decode_ctx)
             + (c.per_prefill_round if shape.slices else 0.0)
-            + c.per_prefix_slice * sum(1 for s in shape.slices if s.prefix > 0)
             + c.per_decode_seq * len(shape.decode_ctx)
             + c.per_slice * len(shape.slices)
         )
@@ -217,28 +210,12 @@ class CostModel:
             + c.per_decode_ctx * self.mla_layers * sum(decode_ctx)
         )
 
-    def slice_round(self, decode_ctx: Sequence[int] = (), prefix: bool = True) -> float:
-        """The fixed part of a round that carries one slice (its overhead, the extend path's
-        fixed cost, the prefix path's when the slice continues a cached prefix, and the decode
-        tokens riding along): what each round of a sliced prefill costs beyond
-        :meth:`prefill_work`."""
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
+        """The fixed part of a round that carries one slice (its overhead, the extend path's and
+        the slice's fixed costs, and the decode tokens riding along): what each round of a sliced
+        prefill costs beyond :meth:`prefill_work`."""
         c = self.coef
-        return (
-            c.overhead
-            + c.per_prefill_round
-            + c.per_slice
-            + (c.per_prefix_slice if prefix else 0.0)
-            + self.decode_cost(decode_ctx)
-        )
-
-    def slice_rounds(self, start: int, rounds: int, decode_ctx: Sequence[int] = ()) -> float:
-        """The fixed part of ``rounds`` rounds of one prefill from ``start``: every round after
-        the first continues a prefix, the first does when ``start > 0``."""
-        if rounds <= 0:
-            return 0.0
-        return rounds * self.slice_round(decode_ctx) - (
-            self.coef.per_prefix_slice if start == 0 else 0.0
-        )
+        return c.overhead + c.per_prefill_round + c.per_slice + self.decode_cost(decode_ctx)
 
     def prefill_work(self, start: int, end: int) -> float:
         """Seconds of prefilling tokens ``[start, end)`` on the grid, without round overheads.
@@ -261,7 +238,7 @@ class CostModel:
         if end <= start:
             return 0.0
         rounds = -(-(end - start) // max(1, max_slice))
-        return self.slice_rounds(start, rounds) + self.prefill_work(start, end)
+        return rounds * self.slice_round() + self.prefill_work(start, end)
 
     # -- file format ----------------------------------------------------------------------
     def to_dict(self, key: str = "") -> dict:

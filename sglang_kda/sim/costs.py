@@ -40,9 +40,7 @@ class RoundCost(Protocol):
 
     def decode_cost(self, decode_ctx: Sequence[int]) -> float: ...
 
-    def slice_round(self, decode_ctx: Sequence[int] = (), prefix: bool = True) -> float: ...
-
-    def slice_rounds(self, start: int, rounds: int, decode_ctx: Sequence[int] = ()) -> float: ...
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float: ...
 
     def prefill_work(self, start: int, end: int) -> float: ...
 
@@ -252,11 +250,8 @@ class KimiLinearH200:
             return 0.0
         return self.predict(BatchShape.of(decode_ctx)) - self.coef.overhead
 
-    def slice_round(self, decode_ctx: Sequence[int] = (), prefix: bool = True) -> float:
+    def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
         return self.coef.overhead + self.decode_cost(decode_ctx)
-
-    def slice_rounds(self, start: int, rounds: int, decode_ctx: Sequence[int] = ()) -> float:
-        return max(0, rounds) * self.slice_round(decode_ctx)
 
     def prefill_work(self, start: int, end: int) -> float:
         if end <= start:
