@@ -436,22 +436,17 @@ def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostMode
     wake = float(v[nf])
     err = np.abs(x @ v - y) / y
 
-    def rounds(n: int, done: int = 0) -> float:
-        t = 0.0
-        while done < n:
-            c = min(CHUNK, n - done)
-            t += model.predict(BatchShape((), (Slice(done, c),)))
-            done += c
-        return t
+    def rounds(n: int, done: int = 0) -> float:  # a prompt's chunked rounds, predicted
+        return model.alone_time(done, n, CHUNK)
 
     cal_alone, _ = calibration_trace()
     residuals = []
+    decode = model.predict(BatchShape.of([64 + CAL_BUSY_STREAM_OUT // 2]))
     for c in cals:
         for r in _from_records(cal_alone, c["cal_alone"]).values():
             residuals.append(r.ttft - wake - rounds(len(r.ids)))
         for r in _from_records(hits_trace(), c["cal_hits"]).values():
             residuals.append(r.ttft - wake - rounds(len(r.ids), r.cached_tokens))
-        decode = model.predict(BatchShape.of([64 + CAL_BUSY_STREAM_OUT // 2]))
         for k, r in _from_records(busy_trace(), c["cal_busy"]).items():
             if k != "bs":
                 residuals.append(r.ttft - 0.5 * decode - rounds(64))
@@ -599,27 +594,15 @@ def _calibrate(server: Server) -> dict:
     return out
 
 
-def _steps_in(path: Path, window) -> list[dict]:
-    """The server's forward steps (``SGLANG_KDA_STEP_TRACE`` lines) that started in
-    ``window``."""
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if window[0] <= row["t0"] <= window[1]:
-                out.append(row)
-    return out
-
-
 def collect(policy: str, args, tmp: Path) -> dict:
     """Run the calibration and every workload on a real server; the raw per-request records.
 
     In rounds: each round calibrates, then runs every workload once; one more calibration
-    closes the last round. The simulator of round ``i`` is fitted on the calibrations before
-    and after it, so it sees the machine as that round's workloads saw it (this shared 2-core
-    machine's speed moves by tens of percent over minutes: in one run decode rounds took 8 ms in
-    the first workload and 13 ms four minutes later), and the rounds spread every workload over
-    the whole run instead of running its repeats back to back."""
+    closes the last round. The simulator of round ``i`` runs at the speed the calibrations
+    before and after it measure, so it sees the machine as that round's workloads saw it (this
+    shared 2-core machine's speed moves by tens of percent over minutes: in one run decode
+    rounds took 8 ms in the first workload and 13 ms four minutes later), and the rounds spread
+    every workload over the whole run instead of running its repeats back to back."""
     extra = [
         "--chunked-prefill-size",
         str(CHUNK),
@@ -651,8 +634,13 @@ def collect(policy: str, args, tmp: Path) -> dict:
         raw["final"] = _calibrate(server)
     finally:
         server.stop()
-    for cal in raw["rounds"] + ([raw["final"]] if "final" in raw else []):
-        cal["steps"] = _steps_in(trace_path, cal["window"])
+    # The server's forward steps (SGLANG_KDA_STEP_TRACE lines), each calibration's own: those
+    # that started in its window.
+    lines = trace_path.read_text().splitlines() if trace_path.exists() else []
+    steps = [json.loads(line) for line in lines]
+    for cal in raw["rounds"] + [raw["final"]]:
+        lo, hi = cal["window"]
+        cal["steps"] = [row for row in steps if lo <= row["t0"] <= hi]
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"validate_raw_{policy}.json").write_text(json.dumps(raw))
     return raw
@@ -695,8 +683,9 @@ def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
 
 
 def evaluate(raw: dict, jitter: bool = True, seeds: int = 5) -> list[dict]:
-    """Per round: fit the CPU cost model on the calibrations around it, simulate every workload,
-    and compare the medians over rounds (:func:`compare`)."""
+    """Fit the CPU cost model on all the calibrations; per round, scale it by the speed the
+    calibrations around the round measure and simulate every workload; compare the medians over
+    rounds (:func:`compare`)."""
     if raw.get("format") != 3:
         raise SystemExit(
             "these raw records predate the step-trace calibration; rerun without --from-raw"
