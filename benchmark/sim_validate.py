@@ -22,10 +22,12 @@ and one last calibration closes the last round. The cost model (the coefficients
 clock, and the wake-up after a pause) is fitted on the calibration rounds' measured periods
 (:func:`fit_cpu_model`), the fixed per-request time on the calibration prompts' TTFTs beyond
 their rounds, the ingress gap on the prompts sent together, the round-time spread on the decode
-streams' ITLs. Round ``i``'s simulator runs that model scaled by one speed factor measured on
-the calibrations before and after the round: the machine's speed drifts over minutes, and the
-simulator is given the machine as that round's workloads saw it. Each workload is simulated with
-``--sim-seeds`` draws of the round-time spread and the median taken.
+streams' ITLs. Each workload's simulator runs that model scaled by a speed factor: each
+calibration's measured / predicted step period (median), interpolated in time between the
+calibrations before and after the workload. The machine's speed drifts over minutes, and the
+simulator is given the machine as that workload saw it. The round-time spread is the round's
+(its two calibrations'). Each workload is simulated with ``--sim-seeds`` draws of the spread and
+the median taken.
 
 It prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
 TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
@@ -625,11 +627,11 @@ def collect(policy: str, args, tmp: Path) -> dict:
     """Run the calibration and every workload on a real server; the raw per-request records.
 
     In rounds: each round calibrates, then runs every workload once; one more calibration
-    closes the last round. The simulator of round ``i`` runs at the speed the calibrations
-    before and after it measure, so it sees the machine as that round's workloads saw it (this
-    shared 2-core machine's speed moves by tens of percent over minutes: in one run decode
-    rounds took 8 ms in the first workload and 13 ms four minutes later), and the rounds spread
-    every workload over the whole run instead of running its repeats back to back."""
+    closes the last round. A workload's simulator runs at the speed the calibrations before and
+    after it measure (interpolated to its time), so it sees the machine as the workload saw it
+    (this shared 2-core machine's speed moves by tens of percent over minutes: in one run
+    decode rounds took 8 ms in the first workload and 13 ms four minutes later), and the rounds
+    spread every workload over the whole run instead of running its repeats back to back."""
     extra = [
         "--chunked-prefill-size",
         str(CHUNK),
@@ -745,25 +747,37 @@ def evaluate(
     )
     like = (model, timing["ingress_s"], timing["idle_wake_s"])
     per_round = [_fit(cals[i : i + 2], jitter, like) for i in range(len(rounds))]
-    round_speed = [
-        speed_factor([c["steps"] for c in cals[i : i + 2]], like) for i in range(len(rounds))
-    ]
     rows = []
+    # Each calibration's own speed, at the middle of its window: a workload runs at the speed
+    # interpolated between the calibrations before and after it, by its place in the round
+    # (its window's middle in format 4 records, its position in the round's order before).
+    cal_speed = [speed_factor([c["steps"]], like) for c in cals]
+    cal_t = [0.5 * (c["window"][0] + c["window"][1]) for c in cals]
+    names = list(workloads(raw["quick"]))
     for name, tr in workloads(raw["quick"]).items():
         reals, sims = [], []
         for i, rnd in enumerate(rounds):
-            model, timing, factors = per_round[i]
+            _, timing, factors = per_round[i]
+            if name in rnd.get("windows", {}):
+                mid = 0.5 * sum(rnd["windows"][name])
+                frac = (mid - cal_t[i]) / max(cal_t[i + 1] - cal_t[i], 1e-9)
+            else:
+                frac = (names.index(name) + 0.5) / len(names)
+            frac = min(1.0, max(0.0, frac))
+            speed = cal_speed[i] + frac * (cal_speed[i + 1] - cal_speed[i])
+            model, fixed, wake = scaled(like, speed)
+            timing = dict(timing, ingress_s=fixed, idle_wake_s=wake)
             own = rnd.get("workload_steps", {}).get(name)
             if speed_from == "own":
                 if not own:
                     raise SystemExit("--speed-from own needs records with the workloads' steps")
                 # A diagnostic: the level of the rounds it predicts is given to the simulator.
-                speed = speed_factor([own], like)
-                model, fixed, wake = scaled(like, speed)
+                own_speed = speed_factor([own], like)
+                model, fixed, wake = scaled(like, own_speed)
                 timing = dict(timing, ingress_s=fixed, idle_wake_s=wake)
                 print(
-                    f"[speed] {name} round {i + 1}: the workload's own steps {speed:.3f}, the "
-                    f"calibrations around the round {round_speed[i]:.3f}",
+                    f"[speed] {name} round {i + 1}: the workload's own steps {own_speed:.3f}, "
+                    f"the calibrations' (interpolated) {speed:.3f}",
                     flush=True,
                 )
             real = _from_records(tr, rnd["workloads"][name])
