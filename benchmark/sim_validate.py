@@ -453,9 +453,7 @@ def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostMode
         )
     nf = x.shape[1] - 1
     if like is not None:
-        speed = speed_factor([c["steps"] for c in cals], like)
-        print(f"[cal] speed factor {speed:.3f} ({len(y)} steps)", flush=True)
-        return scaled(like, speed)
+        return scaled(like, speed_factor([c["steps"] for c in cals], like))
     v = _nnls_rel(x, y)
     model = CostModel(Coefficients.from_vector(v[:nf]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     wake = float(v[nf])
@@ -752,6 +750,7 @@ def evaluate(
     # interpolated between the calibrations before and after it, by its place in the round
     # (its window's middle in format 4 records, its position in the round's order before).
     cal_speed = [speed_factor([c["steps"]], like) for c in cals]
+    print("[cal] speed of each calibration: " + " ".join(f"{x:.3f}" for x in cal_speed), flush=True)
     cal_t = [0.5 * (c["window"][0] + c["window"][1]) for c in cals]
     names = list(workloads(raw["quick"]))
     for name, tr in workloads(raw["quick"]).items():
