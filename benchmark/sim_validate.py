@@ -412,16 +412,11 @@ def speed_factor(step_lists: list[list[dict]], like: tuple) -> float:
 
 def scaled(like: tuple, speed: float) -> tuple[CostModel, float, float]:
     """``like`` (a model, fixed, wake) with every term multiplied by ``speed``."""
-    model = CostModel(
-        Coefficients.from_vector(like[0].coef.as_vector() * speed),
-        TINY_KDA_LAYERS,
-        TINY_MLA_LAYERS,
-        False,
-    )
+    model = replace(like[0], coef=Coefficients.from_vector(like[0].coef.as_vector() * speed))
     return model, like[1] * speed, like[2] * speed
 
 
-def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostModel, float, float]:
+def fit_cpu_model(cals: list[dict]) -> tuple[CostModel, float, float]:
     """The CPU cost model, the fixed per-request time and the wake-up after a pause, from
     calibrations (:func:`_calibrate` records with the server's steps).
 
@@ -436,11 +431,8 @@ def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostMode
     (an idle server's wake-up included; a prompt reaching a busy server also waits half a
     decode round on average).
 
-    With ``like`` (a model, fixed, wake fitted before), nothing is refitted: every term of
-    ``like`` is multiplied by one speed factor, the median over these calibrations' steps of
-    measured / predicted period. That is how a round gets its model: the cost structure from the
-    whole run's calibrations, the machine's speed from the calibrations around the round (this
-    machine's speed drifts by tens of percent over minutes)."""
+    A workload's model is this one scaled by the machine's speed around it
+    (:func:`speed_factor`, :func:`scaled`; :func:`evaluate`)."""
     base = CostModel(Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     idle_after = SimConfig().idle_wake_after_s
     parts = [step_rows(c["steps"], base, idle_after) for c in cals]
@@ -452,8 +444,6 @@ def fit_cpu_model(cals: list[dict], like: tuple | None = None) -> tuple[CostMode
             "was the server started with SGLANG_KDA_STEP_TRACE?"
         )
     nf = x.shape[1] - 1
-    if like is not None:
-        return scaled(like, speed_factor([c["steps"] for c in cals], like))
     v = _nnls_rel(x, y)
     model = CostModel(Coefficients.from_vector(v[:nf]), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
     wake = float(v[nf])
@@ -697,13 +687,19 @@ def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
     return out, results[0]
 
 
-def _fit(cals: list[dict], jitter: bool, like=None):
+def _streams_timing(cals: list[dict], model: CostModel, jitter: bool) -> tuple[float, tuple]:
+    """The ingress gap and the round-time spread these calibrations' decode streams measure
+    (the spread is relative to its median, so ``model``'s speed level does not matter)."""
     _, cal_streams = calibration_trace()
     stream_runs = [_from_records(cal_streams, c["cal_streams"]) for c in cals]
-    model, fixed, wake = fit_cpu_model(cals, like)
     factors = round_jitter(stream_runs, model) if jitter else ()
-    timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=ingress_gap(stream_runs))
-    return model, timing, factors
+    return ingress_gap(stream_runs), factors
+
+
+def _fit(cals: list[dict], jitter: bool):
+    model, fixed, wake = fit_cpu_model(cals)
+    gap, factors = _streams_timing(cals, model, jitter)
+    return model, dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap), factors
 
 
 def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
@@ -720,9 +716,11 @@ def _config(policy: str, timing: dict, factors: tuple) -> SimConfig:
 def evaluate(
     raw: dict, jitter: bool = True, seeds: int = 5, speed_from: str = "calibrations"
 ) -> list[dict]:
-    """Fit the CPU cost model on all the calibrations; per round, scale it by the speed the
-    calibrations around the round measure and simulate every workload; compare the medians over
-    rounds (:func:`compare`)."""
+    """Fit the CPU cost model on all the calibrations; simulate every workload of every round
+    with it scaled by the speed the calibrations before and after the workload measure
+    (interpolated to its time; ``speed_from="own"``: the workload's own steps' speed, a
+    diagnostic) and the round-time spread of the round's two calibrations; compare the means
+    over rounds (:func:`compare`)."""
     if raw.get("format") not in (3, 4):
         raise SystemExit(
             "these raw records predate the step-trace calibration; rerun without --from-raw"
@@ -744,7 +742,8 @@ def evaluate(
         },
     )
     like = (model, timing["ingress_s"], timing["idle_wake_s"])
-    per_round = [_fit(cals[i : i + 2], jitter, like) for i in range(len(rounds))]
+    # Each round's ingress gap and round-time spread, from its two calibrations.
+    per_round = [_streams_timing(cals[i : i + 2], model, jitter) for i in range(len(rounds))]
     rows = []
     # Each calibration's own speed, at the middle of its window: a workload runs at the speed
     # interpolated between the calibrations before and after it, by its place in the round
@@ -752,11 +751,12 @@ def evaluate(
     cal_speed = [speed_factor([c["steps"]], like) for c in cals]
     print("[cal] speed of each calibration: " + " ".join(f"{x:.3f}" for x in cal_speed), flush=True)
     cal_t = [0.5 * (c["window"][0] + c["window"][1]) for c in cals]
-    names = list(workloads(raw["quick"]))
-    for name, tr in workloads(raw["quick"]).items():
+    traces = workloads(raw["quick"])
+    names = list(traces)
+    for name, tr in traces.items():
         reals, sims = [], []
         for i, rnd in enumerate(rounds):
-            _, timing, factors = per_round[i]
+            gap, factors = per_round[i]
             if name in rnd.get("windows", {}):
                 mid = 0.5 * sum(rnd["windows"][name])
                 frac = (mid - cal_t[i]) / max(cal_t[i + 1] - cal_t[i], 1e-9)
@@ -764,21 +764,20 @@ def evaluate(
                 frac = (names.index(name) + 0.5) / len(names)
             frac = min(1.0, max(0.0, frac))
             speed = cal_speed[i] + frac * (cal_speed[i + 1] - cal_speed[i])
-            model, fixed, wake = scaled(like, speed)
-            timing = dict(timing, ingress_s=fixed, idle_wake_s=wake)
-            own = rnd.get("workload_steps", {}).get(name)
             if speed_from == "own":
+                own = rnd.get("workload_steps", {}).get(name)
                 if not own:
                     raise SystemExit("--speed-from own needs records with the workloads' steps")
                 # A diagnostic: the level of the rounds it predicts is given to the simulator.
                 own_speed = speed_factor([own], like)
-                model, fixed, wake = scaled(like, own_speed)
-                timing = dict(timing, ingress_s=fixed, idle_wake_s=wake)
                 print(
                     f"[speed] {name} round {i + 1}: the workload's own steps {own_speed:.3f}, "
                     f"the calibrations' (interpolated) {speed:.3f}",
                     flush=True,
                 )
+                speed = own_speed
+            model, fixed, wake = scaled(like, speed)
+            timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap)
             real = _from_records(tr, rnd["workloads"][name])
             sim, res = simulate_seeds(
                 tr, _config(policy, timing, factors), model, seeds if factors else 1
@@ -908,7 +907,8 @@ def main() -> int:
         "--speed-from",
         choices=("calibrations", "own"),
         default="calibrations",
-        help="where a round's machine speed comes from: the calibrations before and after it, "
+        help="where a workload's machine speed comes from: the calibrations before and after "
+        "it, "
         "or (a diagnostic) each workload's own steps, which gives the simulator the level of "
         "the rounds it predicts and leaves the rest to test",
     )
