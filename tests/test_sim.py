@@ -322,7 +322,7 @@ def test_eviction_config_parses_like_the_server_flag():
 def test_tree_evicts_by_the_rule_not_lru():
     """Cap 2, three states: LRU drops the oldest (a deep one saving 8 grid steps); the rule
     (recency + serial work saved per byte) drops the newer one that saves a single step."""
-    from sglang_kda.cache.tree import RadixTree
+    from sglang_kda.sim.tree import RadixTree
 
     def fill(alpha):
         t = RadixTree(max_checkpoints=2, alpha=alpha)

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sglang_kda.cache import eviction as eviction_mod
-from sglang_kda.cache.tree import RadixTree
+from sglang_kda.sim.tree import RadixTree
 
 # Policy modules are called through their module objects, so the simulator always runs what
 # the modules hold (a test that changes a policy function sees the change in simulated results).

@@ -1,4 +1,4 @@
-"""The plain radix tree of the simulator (sglang_kda/cache/tree.py): rules and integrity."""
+"""The plain radix tree of the simulator (sglang_kda/sim/tree.py): rules and integrity."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kda.cache.tree import RadixTree, TreeIntegrityError
+from sglang_kda.sim.tree import RadixTree, TreeIntegrityError
 
 
 def test_match_is_deepest_checkpoint_below_len_minus_one():
