@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from sglang_kda import _boot
-from sglang_kda.config import DEFAULT_MAX_N, KERNELS, POLICIES, ConfigError, KDAConfig
+from sglang_kda import config as kda_config
+from sglang_kda.config import ConfigError, KDAConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -39,132 +40,8 @@ def default_model_dir() -> Path:
 
 
 def add_kda_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sglang_kda")
-    group.add_argument(
-        "--kda-policy",
-        default="kda",
-        help=(
-            f"One of {', '.join(POLICIES)}. 'kda' wires sglang_kda's scheduler and cache policy "
-            "in; 'stock' leaves SGLang's scheduler and cache untouched (only what this machine "
-            "needs to run stays), for side-by-side benchmarks. Default: kda."
-        ),
-    )
-    group.add_argument(
-        "--kda-kernel",
-        default="auto",
-        help=(
-            f"KDA kernel path, one of {', '.join(KERNELS)}. 'torch': the chunked PyTorch path "
-            "(CPU, any device); 'triton': sglang_kda's checkpointing Triton kernel (GPU); "
-            "'auto': torch on CPU, SGLang's own Triton kernel on CUDA. Default: auto."
-        ),
-    )
-    group.add_argument(
-        "--kda-max-n",
-        default=str(DEFAULT_MAX_N),
-        help=(
-            "The largest n (parallel samples per request) a request may ask for, on the native "
-            "and the OpenAI routes; larger requests get a 400 naming the field. "
-            f"Default: {DEFAULT_MAX_N}."
-        ),
-    )
-    group.add_argument(
-        "--kda-checkpoint-every",
-        default="0",
-        help=(
-            "Spacing in tokens of the KDA state checkpoints the kda policy puts in the radix "
-            "tree while a prefill runs (a multiple of 64; 0 = the checkpoint grid "
-            "max(64, page_size)). Larger values keep fewer states per prompt. Default: 0."
-        ),
-    )
-    group.add_argument(
-        "--kda-checkpoint-pool-size",
-        default="0",
-        help=(
-            "The most KDA states (checkpoints) the radix tree may hold; past it the least "
-            "recently used are evicted. 0 = bounded only by SGLang's state pool "
-            "(--max-mamba-cache-size), shared with live requests. Default: 0."
-        ),
-    )
-    group.add_argument(
-        "--kda-eviction",
-        default="marconi",
-        help=(
-            "Which KDA states the radix tree sheds first: 'lru' (SGLang's least recently "
-            "used), 'marconi' (recency plus serial KDA work saved per byte: a checkpoint far "
-            "from its nearest cached ancestor is kept longer) or a number alpha >= 0 (the "
-            "marconi rule with that weight on the saved work; marconi = 1). Default: marconi."
-        ),
-    )
-    group.add_argument(
-        "--kda-twins",
-        default="on",
-        help=(
-            "'on': a request sharing an uncached prefix with one admitted in the same round "
-            "waits one round and resumes from its checkpoints (twins compute a shared prefix "
-            "once); 'off': admit it at once. Default: on."
-        ),
-    )
-    group.add_argument(
-        "--kda-debug-integrity",
-        default="off",
-        help=(
-            "'on': check the radix tree, the state pool and the live requests against each "
-            "other after every prefill step (slow; a violation is logged and raised). "
-            "Default: off."
-        ),
-    )
-    group.add_argument(
-        "--kda-budget",
-        default="off",
-        help=(
-            "'serial': plan every round by predicted time (serial KDA steps, MLA attention, "
-            "per-token cost) and prefill deadlines: decode keeps --kda-itl-target-ms while a "
-            "prefill has slack, slices grow as slack runs out, up to running alone (needs "
-            "--kda-policy kda; turns on mixed decode+prefill rounds). 'off': SGLang's token "
-            "budgets. Default: off."
-        ),
-    )
-    group.add_argument(
-        "--kda-itl-target-ms",
-        default="0",
-        help="Time budget of a round under --kda-budget serial; 0 = 1.2x the predicted "
-        "decode-only step of the running batch. Default: 0.",
-    )
-    group.add_argument(
-        "--kda-pace-every",
-        default="0",
-        help="Under --kda-budget serial, when even one 64-token slice makes a round overshoot "
-        "its time budget, a lone prefill with slack takes a slice in at most one round of this "
-        "many (decode alone in the others) while its deadline allows: over-budget decode gaps "
-        "stay under 1/N of all gaps, and the prompt finishes near its deadline (every prompt, "
-        "short ones included, while decodes run). 0 = a slice every round. Default: 0.",
-    )
-    group.add_argument(
-        "--kda-ttft-deadline-ms",
-        default="10000",
-        help="Default prefill deadline after arrival (plus --kda-deadline-ms-per-1k-tokens); "
-        "a request overrides it with sampling_params.custom_params.ttft_deadline_ms (OpenAI "
-        "routes: custom_params.ttft_deadline_ms in the body). Default: 10000.",
-    )
-    group.add_argument(
-        "--kda-deadline-ms-per-1k-tokens",
-        default="1000",
-        help="Deadline added per 1,000 prompt tokens. Default: 1000.",
-    )
-    group.add_argument(
-        "--kda-cost-model",
-        default="",
-        help="File the budget's cost model is loaded from (when it exists) and saved to; "
-        "default: a cache file per model, device and dtype under $SGLANG_KDA_CACHE_DIR or "
-        "~/.cache/sglang_kda/cost_model/.",
-    )
-    group.add_argument(
-        "--kda-reject-infeasible",
-        default="off",
-        help="'on': a prefill that cannot meet its deadline even running alone is refused "
-        "with a 400 naming the deadline; 'off': it runs, flagged in the log and "
-        "sglang_kda_budget_infeasible_total. Default: off.",
-    )
+    """sglang_kda's flags, generated from the registry in :mod:`sglang_kda.config`."""
+    kda_config.add_kda_args(parser)
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -192,29 +69,9 @@ def split_kda_args(argv: list[str]) -> tuple[KDAConfig, list[str]]:
         if a.startswith("--kda-"):
             name = a.split("=", 1)[0]
             raise ConfigError(
-                f"unknown flag {name} (sglang_kda knows --kda-policy, --kda-kernel, --kda-max-n, "
-                "--kda-checkpoint-every, --kda-checkpoint-pool-size, --kda-eviction, --kda-twins, "
-                "--kda-debug-integrity, --kda-budget, --kda-itl-target-ms, --kda-pace-every, "
-                "--kda-ttft-deadline-ms, --kda-deadline-ms-per-1k-tokens, --kda-cost-model, "
-                "--kda-reject-infeasible)"
+                f"unknown flag {name} (sglang_kda knows {', '.join(kda_config.options())})"
             )
-    config = KDAConfig(
-        policy=known.kda_policy,
-        kernel=known.kda_kernel,
-        max_n=known.kda_max_n,
-        checkpoint_every=known.kda_checkpoint_every,
-        checkpoint_pool_size=known.kda_checkpoint_pool_size,
-        eviction=known.kda_eviction,
-        twins=known.kda_twins,
-        debug_integrity=known.kda_debug_integrity,
-        budget=known.kda_budget,
-        itl_target_ms=known.kda_itl_target_ms,
-        pace_every=known.kda_pace_every,
-        ttft_deadline_ms=known.kda_ttft_deadline_ms,
-        deadline_ms_per_1k_tokens=known.kda_deadline_ms_per_1k_tokens,
-        cost_model=known.kda_cost_model,
-        reject_infeasible=known.kda_reject_infeasible,
-    )
+    config = kda_config.config_from_args(known)
     return config, rest
 
 
