@@ -7,7 +7,8 @@ Accepts every ``sglang serve`` flag plus sglang_kda's own ``--kda-*`` flags (see
 * Without a CUDA GPU it selects SGLang's CPU engine and the settings that work there
   (:func:`cpu_defaults`); flags the user passes always win.
 * The ``--kda-*`` settings travel to SGLang's spawned processes as ``SGLANG_KDA_*`` variables;
-  the patches are applied in each of them by SGLang's plugin entry point.
+  the patches are applied in each of them by SGLang's plugin entry point, which acts only with
+  ``SGLANG_KDA_ENABLE=1``, set here (other SGLang servers in the environment stay untouched).
 
 Spawned SGLang processes (``multiprocessing`` spawn) re-import this module as ``__mp_main__``
 before anything else, which installs the import guards of :mod:`sglang_kda._boot` there too.
@@ -367,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_engine:
         os.environ.update(cpu_env(sglang_argv))
     os.environ.update(config.to_env())
+    from sglang_kda.plugin import ENABLE_ENV
+
+    os.environ[ENABLE_ENV] = "1"  # opt in: the plugin patches only servers that ask (plugin.py)
     _boot.install()  # now with the CPU engine's sgl_kernel stand-ins, if selected
 
     from sglang_kda import version_gate
