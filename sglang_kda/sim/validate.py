@@ -1,0 +1,315 @@
+"""The simulator against the real server: the validation workloads, the evaluation, the table.
+
+A validation run (``benchmark/sim_validate.py``) sends each workload of :func:`workloads` to
+the real CPU server in several rounds, each round opened by a calibration
+(:mod:`sglang_kda.sim.calibrate`) and the last one closed by one more, and keeps every
+request's client record and the server's step rows in a raw file. :func:`evaluate` makes the
+comparison from that file alone (no server): it fits the CPU clock on all the calibrations,
+simulates every workload of every round at the machine's speed around it, and compares the
+means over rounds (:func:`compare`). Token counts are the policy's, not the clock's: they must
+agree in every round.
+
+Raw file (``format`` 3 or 4): ``policy``, ``quick``, ``chunk``, ``rounds`` (each a calibration
+record with ``workloads`` {name: client records}, and from format 4 ``windows`` {name:
+[start, end]} and ``workload_steps`` {name: step rows}) and ``final`` (the closing calibration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from sglang_kda.policy.cost_model import CostModel
+from sglang_kda.sim import trace as T
+from sglang_kda.sim.calibrate import (
+    CHUNK,
+    CpuFit,
+    fit_cpu_model,
+    from_records,
+    say,
+    scaled,
+    server_summary,
+    speed_factor,
+    streams_timing,
+)
+from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.metrics import summarize
+
+LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+TOKENS = ("prefill_tokens", "cached_tokens")
+
+
+def workloads(quick: bool = False) -> dict[str, T.Trace]:
+    """The validation traces. Sized so that each percentile is a property of a distribution and
+    not of one or two events: hundreds of ITLs and 15-24 TTFTs per workload. In
+    ``long_among_decodes`` the four streams arrive together and are short enough that the four
+    stalls behind the long prompt's prefill are more than 1% of all ITLs, so ITL p99 is that
+    stall (the thing the workload is about) rather than wherever the 99th percentile falls at the
+    edge of a cluster of four."""
+    w = {
+        # 0.4 s apart: a request is done before the next arrives (a cold one takes ~0.3 s), so
+        # ITL p99 is the decode tail, not whether a few arrivals land on a running request.
+        "shared_prefix": T.shared_prefix(
+            groups=4, per_group=6, prefix=700, suffix=100, out=16, gap_s=0.4
+        ),
+        # 20 output tokens (> 16, SGLang's ReplaySSM ring length): where a finished request's
+        # state sits (the prompt's end, or later) shows in the next turn's cached tokens.
+        "multi_turn": T.multi_turn(convs=4, turns=4, out=20),
+        "twin_bursts": T.twin_bursts(bursts=4, size=4, out=16, gap_s=1.5),
+        "off_grid_divergence": T.off_grid_divergence(n=15, out=16),
+        "repeats": T.repeats(n=12, out=16),
+        "long_among_decodes": T.long_among_decodes(
+            streams=4,
+            stream_prompt=64,
+            stream_out=60,
+            long_prompt=3000,
+            long_at_s=0.2,
+            stagger_s=0.0,
+        ),
+    }
+    if quick:
+        w["shared_prefix"] = T.shared_prefix(groups=2, per_group=3, prefix=700, suffix=100)
+        w["twin_bursts"] = T.twin_bursts(bursts=2, size=4)
+        w["off_grid_divergence"] = T.off_grid_divergence(n=5)
+        w["repeats"] = T.repeats(n=3)
+        w["long_among_decodes"] = T.long_among_decodes(
+            streams=4, stream_out=40, long_prompt=2000, long_at_s=0.15, stagger_s=0.0
+        )
+    return w
+
+
+def sim_config(policy: str, timing: dict, factors: tuple = ()) -> SimConfig:
+    """The simulator configured as the validation server runs (``--chunked-prefill-size``
+    :data:`~sglang_kda.sim.calibrate.CHUNK`, FCFS), with the fitted per-request timing
+    (``ingress_s``, ``idle_wake_s``, ``ingress_gap_s``) and round-time spread."""
+    return SimConfig(
+        policy=policy,
+        chunked_prefill_size=CHUNK,
+        max_prefill_tokens=131072,
+        integrity=True,
+        round_jitter=factors,
+        **timing,
+    )
+
+
+def fit_run(cals: list[dict], jitter: bool = True) -> tuple[CostModel, dict, tuple]:
+    """The clock fitted on all these calibrations pooled: the model, the per-request timing
+    (:func:`sim_config`'s ``timing``) and the round-time spread."""
+    model, fixed, wake = fit_cpu_model(cals)
+    gap, factors = streams_timing(cals, model, jitter)
+    return model, dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap), factors
+
+
+def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
+    """Simulate ``tr`` with ``seeds`` jitter seeds; the summary of the typical run (each latency
+    figure the median over seeds, as the server's figure is the median over its runs) and the
+    seed-0 result. Token counts are the policy's, not the clock's: every seed must give seed 0's
+    (a seed that does not is reported)."""
+    results = [simulate(tr, replace(cfg, seed=k), model) for k in range(max(1, seeds))]
+    sums = [summarize(r) for r in results]
+    out = dict(sums[0])
+    for k in LATENCY:
+        out[k] = float(np.median([s[k] for s in sums]))
+    for k in TOKENS:
+        if any(s[k] != out[k] for s in sums):
+            print(f"[sim] {tr.name}: {k} differs between jitter seeds: {[s[k] for s in sums]}")
+    return out, results[0]
+
+
+def error(a: float, b: float) -> float:
+    """Relative error of ``b`` against ``a``."""
+    return abs(b - a) / a if a else (0.0 if b == a else float("inf"))
+
+
+def compare(name: str, policy: str, reals: list[dict], sims: list[dict]) -> list[dict]:
+    """One row per metric. ``reals[i]`` is the server's figures in round ``i``, ``sims[i]`` the
+    simulator's with the cost model calibrated around that round.
+
+    ``server`` and ``sim`` are the means over rounds (each side over the same stretches of the
+    machine's time) and ``error`` compares them. The mean, not the median: the rounds' spread is
+    the machine's (about 10-20% between two rounds of one trace at the median figure), and a
+    mean carries less of it than a median of as many rounds (on the records of five 5-round
+    server runs, 22-24 of 24 figures within 15% with means, 15-24 with medians).
+    ``error_runs`` is the median over rounds of the simulator against the server in that
+    round. ``server_repeat_error`` is the second round against the first: the noise floor.
+    Token counts must agree in every round."""
+    rows = []
+    for k in TOKENS + LATENCY:
+        a = float(np.mean([r[k] for r in reals]))
+        b = float(np.mean([x[k] for x in sims]))
+        if k in TOKENS:
+            same = all(r[k] == reals[0][k] for r in reals)
+            a = reals[0][k] if same else a
+            b = sims[0][k] if all(x[k] == sims[0][k] for x in sims) else b
+        row = {
+            "workload": name,
+            "policy": policy,
+            "metric": k,
+            "server": a,
+            "sim": b,
+            "error": error(a, b),
+            "server_runs": len(reals),
+            "error_runs": float(
+                np.median([error(r[k], x[k]) for r, x in zip(reals, sims, strict=True)])
+            ),
+            "server_first": reals[0][k],
+            "sim_first": sims[0][k],
+            "error_first": error(reals[0][k], sims[0][k]),
+        }
+        if len(reals) > 1:
+            row["server_repeat"] = reals[1][k]
+            row["server_repeat_error"] = error(reals[0][k], reals[1][k])
+        rows.append(row)
+    return rows
+
+
+def evaluate(
+    raw: dict,
+    jitter: bool = True,
+    seeds: int = 5,
+    speed_from: str = "calibrations",
+    model_path=None,
+) -> list[dict]:
+    """Fit the CPU cost model on all the calibrations (saved to ``model_path`` when given, with
+    its timing: ``python -m sglang_kda.sim --cost cpu:FILE``); simulate every workload of every
+    round with it scaled by the speed the calibrations before and after the workload measure
+    (interpolated to its time; ``speed_from="own"``: the workload's own steps' speed, a
+    diagnostic) and the round-time spread of the round's two calibrations; compare the means
+    over rounds (:func:`compare`)."""
+    if raw.get("format") not in (3, 4):
+        raise ValueError(
+            "these raw records predate the step-trace calibration; rerun without --from-raw"
+        )
+    policy = raw["policy"]
+    rounds = raw["rounds"]
+    cals = rounds + [raw["final"]]
+    # The whole run's calibrations pooled: the model saved for `python -m sglang_kda.sim`.
+    model, timing, factors = fit_run(cals, jitter)
+    say(f"[cal] ingress gap {timing['ingress_gap_s'] * 1e3:.2f} ms")
+    if model_path is not None:
+        model.save(
+            model_path,
+            key=f"tiny-cpu-{policy}",
+            extra={
+                "per_request_fixed_s": timing["ingress_s"],
+                "idle_wake_s": timing["idle_wake_s"],
+                "ingress_gap_s": timing["ingress_gap_s"],
+                "round_jitter": list(factors),
+            },
+        )
+    like = CpuFit(model, timing["ingress_s"], timing["idle_wake_s"])
+    # Each round's ingress gap and round-time spread, from its two calibrations.
+    per_round = [streams_timing(cals[i : i + 2], model, jitter) for i in range(len(rounds))]
+    rows = []
+    # Each calibration's own speed, at the middle of its window: a workload runs at the speed
+    # interpolated between the calibrations before and after it, by its place in the round
+    # (its window's middle in format 4 records, its position in the round's order before).
+    cal_speed = [speed_factor([c["steps"]], like) for c in cals]
+    say("[cal] speed of each calibration: " + " ".join(f"{x:.3f}" for x in cal_speed))
+    cal_t = [0.5 * (c["window"][0] + c["window"][1]) for c in cals]
+    traces = workloads(raw["quick"])
+    names = list(traces)
+    for name, tr in traces.items():
+        reals, sims = [], []
+        for i, rnd in enumerate(rounds):
+            gap, factors = per_round[i]
+            if name in rnd.get("windows", {}):
+                mid = 0.5 * sum(rnd["windows"][name])
+                frac = (mid - cal_t[i]) / max(cal_t[i + 1] - cal_t[i], 1e-9)
+            else:
+                frac = (names.index(name) + 0.5) / len(names)
+            frac = min(1.0, max(0.0, frac))
+            speed = cal_speed[i] + frac * (cal_speed[i + 1] - cal_speed[i])
+            if speed_from == "own":
+                own = rnd.get("workload_steps", {}).get(name)
+                if not own:
+                    raise ValueError("--speed-from own needs records with the workloads' steps")
+                # A diagnostic: the level of the rounds it predicts is given to the simulator.
+                own_speed = speed_factor([own], like)
+                say(
+                    f"[speed] {name} round {i + 1}: the workload's own steps {own_speed:.3f}, "
+                    f"the calibrations' (interpolated) {speed:.3f}"
+                )
+                speed = own_speed
+            model, fixed, wake = scaled(like, speed)
+            timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap)
+            real = from_records(tr, rnd["workloads"][name])
+            sim, res = simulate_seeds(
+                tr, sim_config(policy, timing, factors), model, seeds if factors else 1
+            )
+            reals.append(server_summary(real))
+            sims.append(sim)
+            simr = {r.rid: r for r in res.requests}
+            diff = [
+                (rid, r.prompt_tokens - r.cached_tokens, simr[rid].computed)
+                for rid, r in real.items()
+                if r.prompt_tokens - r.cached_tokens != simr[rid].computed
+            ]
+            if diff:
+                say(
+                    f"[{policy}] {name} round {i + 1}: per-request prefill token diffs "
+                    f"(rid, server, sim): {diff[:6]}"
+                )
+        rows += compare(name, policy, reals, sims)
+        got = {r["metric"]: (r["server"], r["sim"]) for r in rows[-len(TOKENS + LATENCY) :]}
+        say(
+            f"[{policy}] {name}: prefill server {got['prefill_tokens'][0]} sim "
+            f"{got['prefill_tokens'][1]}; mean over rounds, server vs sim: TTFT p50 "
+            f"{got['ttft_p50_ms'][0]:.0f} vs {got['ttft_p50_ms'][1]:.0f} ms, p99 "
+            f"{got['ttft_p99_ms'][0]:.0f} vs {got['ttft_p99_ms'][1]:.0f}; ITL p50 "
+            f"{got['itl_p50_ms'][0]:.1f} vs {got['itl_p50_ms'][1]:.1f}, p99 "
+            f"{got['itl_p99_ms'][0]:.1f} vs {got['itl_p99_ms'][1]:.1f}"
+        )
+    return rows
+
+
+def table(rows: list[dict], latency_metrics: tuple[str, ...] = LATENCY) -> tuple[list[str], str]:
+    """The Markdown table of :func:`evaluate`'s rows and its verdict: the share of latency
+    figures within 15%, the worst error, whether token counts are identical."""
+
+    def num(v) -> str:
+        return "" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
+
+    def pct(v) -> str:
+        return "" if v is None else f"{v:.1%}"
+
+    lines = [
+        "| workload | policy | metric | server (mean of rounds) | sim (mean of rounds) | "
+        "error | sim vs server per round (median) | server round 1 | sim round 1 | "
+        "server round 2 | round 2 vs round 1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['policy']} | {r['metric']} | {num(r['server'])} | "
+            f"{num(r['sim'])} | {pct(r['error'])} | {pct(r.get('error_runs'))} | "
+            f"{num(r.get('server_first'))} | {num(r.get('sim_first'))} | "
+            f"{num(r.get('server_repeat'))} | {pct(r.get('server_repeat_error'))} |"
+        )
+    lat = [r["error"] for r in rows if r["metric"] in latency_metrics]
+    worst = max(lat) if lat else float("nan")
+    same = all(r["server"] == r["sim"] for r in rows if r["metric"] in TOKENS)
+    verdict = (
+        f"simulator vs server: worst latency error {worst * 100:.1f}%; "
+        f"token counts identical: {'yes' if same else 'no'}"
+    )
+    n_runs = max(r.get("server_runs", 1) for r in rows)
+    within = sum(e <= 0.15 for e in lat)
+    runs = [r["error_runs"] for r in rows if r["metric"] in latency_metrics]
+    head = (
+        f"{n_runs} rounds: simulator vs server (means over rounds): median latency error "
+        f"{np.median(lat) * 100:.1f}%, {within} of {len(lat)} within 15%; per round: median "
+        f"{np.median(runs) * 100:.1f}%"
+    )
+    reps = [
+        r["server_repeat_error"]
+        for r in rows
+        if r["metric"] in latency_metrics and "server_repeat_error" in r
+    ]
+    if reps:
+        head += (
+            f"; server round 2 vs round 1: median {np.median(reps) * 100:.1f}%, worst "
+            f"{max(reps) * 100:.1f}%"
+        )
+    return lines, head + "\n" + verdict
