@@ -52,23 +52,15 @@ import argparse
 import asyncio
 import csv
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import requests
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from sglang_kda.process import stop_process_group  # noqa: E402
-from sglang_kda.sim import trace as T  # noqa: E402
-from sglang_kda.sim import validate as V  # noqa: E402
-from sglang_kda.sim.calibrate import (  # noqa: E402
+from sglang_kda import harness
+from sglang_kda.sim import trace as T
+from sglang_kda.sim import validate as V
+from sglang_kda.sim.calibrate import (
     CHUNK,
     ServerRequest,
     busy_trace,
@@ -76,115 +68,17 @@ from sglang_kda.sim.calibrate import (  # noqa: E402
     hits_trace,
     records_of,
 )
-from sglang_kda.steps import TRACE_ENV, read_steps, steps_within  # noqa: E402
+from sglang_kda.steps import TRACE_ENV, read_steps, steps_within
 
-OUT_DIR = REPO / "benchmark" / "results" / "sim"
-
-
-# --- server ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(
-        self, policy: str, extra: list[str], log: Path, step_trace: Path | None = None
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        model = REPO / "models" / "tiny-kimi-linear"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang_kda.launch_server",
-            "--port",
-            str(self.port),
-            "--kda-policy",
-            policy,
-            *extra,
-        ]
-        if model.exists():
-            cmd += ["--model-path", str(model)]
-        env = dict(os.environ)
-        env.pop("SGLANG_USE_CPU_ENGINE", None)
-        if step_trace is not None:
-            env[TRACE_ENV] = str(step_trace)
-        self.log = log
-        self._fh = open(log, "wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            t0 = time.monotonic()
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited; see {log}")
-                if time.monotonic() - t0 > 600:
-                    raise TimeoutError(f"server not ready; see {log}")
-                try:
-                    if requests.get(self.url + "/health_generate", timeout=30).ok:
-                        break
-                except requests.RequestException:
-                    pass
-                time.sleep(2)
-            print(f"[{policy}] server ready in {time.monotonic() - t0:.0f}s", flush=True)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace_s=60)
-        self._fh.close()
-
-    def flush(self) -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if requests.post(self.url + "/flush_cache", timeout=60).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("/flush_cache refused")
+OUT_DIR = Path(__file__).resolve().parent / "results" / "sim"
 
 
 # --- client ------------------------------------------------------------------------------------
 
 
-async def _one(session, url: str, rec: ServerRequest, out: int, t0: float) -> None:
-    payload = {
-        "input_ids": list(rec.ids),
-        "sampling_params": {"max_new_tokens": out, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    rec.arrival = time.perf_counter() - t0
-    seen = 0
-    meta: dict = {}
-    async with session.post(url + "/generate", json=payload) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"/generate {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            now = time.perf_counter() - t0
-            meta = chunk.get("meta_info", meta)
-            n = int(meta.get("completion_tokens", seen + 1))
-            rec.token_times.extend([now] * max(0, n - seen))
-            seen = max(seen, n)
-    rec.prompt_tokens = int(meta.get("prompt_tokens", len(rec.ids)))
-    rec.cached_tokens = int(meta.get("cached_tokens", 0))
-
-
 async def run_trace(url: str, trace: T.Trace) -> dict[str, ServerRequest]:
+    """Replay ``trace`` against the server at ``url``: each request sent at its time (or its
+    ``delay`` after the one it follows finished), streamed through the harness's client."""
     import aiohttp
 
     recs = {r.id: ServerRequest(r.id, trace.prompt(r)) for r in trace.requests}
@@ -200,7 +94,10 @@ async def run_trace(url: str, trace: T.Trace) -> dict[str, ServerRequest]:
             else:
                 await asyncio.sleep(max(0.0, r.t - (time.perf_counter() - t0)))
             try:
-                await _one(session, url, recs[r.id], r.out, t0)
+                rec = recs[r.id]
+                res = await harness.stream_generate(session, url, rec.ids, r.out, t0=t0)
+                rec.arrival, rec.token_times = res.arrival, res.token_times
+                rec.prompt_tokens, rec.cached_tokens = res.prompt_tokens, res.cached_tokens
             finally:
                 done[r.id].set()
 
@@ -208,16 +105,16 @@ async def run_trace(url: str, trace: T.Trace) -> dict[str, ServerRequest]:
     return recs
 
 
-def _calibrate(server: Server) -> dict:
+def _calibrate(server: harness.Server) -> dict:
     cal_alone, cal_streams = calibration_trace()
     out = {"window": [time.perf_counter(), 0.0]}  # CLOCK_MONOTONIC, as the step trace's
-    server.flush()
+    server.flush_cache()
     out["cal_alone"] = records_of(asyncio.run(run_trace(server.url, cal_alone)))
-    server.flush()
+    server.flush_cache()
     out["cal_streams"] = records_of(asyncio.run(run_trace(server.url, cal_streams)))
-    server.flush()
+    server.flush_cache()
     out["cal_busy"] = records_of(asyncio.run(run_trace(server.url, busy_trace())))
-    server.flush()
+    server.flush_cache()
     out["cal_hits"] = records_of(asyncio.run(run_trace(server.url, hits_trace())))
     out["window"][1] = time.perf_counter()
     return out
@@ -241,7 +138,13 @@ def collect(policy: str, args, tmp: Path) -> dict:
         *args.server_args,
     ]
     trace_path = tmp / f"{policy}.steps.jsonl"
-    server = Server(policy, extra, tmp / f"{policy}.log", step_trace=trace_path)
+    server = harness.launch(
+        harness.tiny_model_dir(),
+        log=tmp / f"{policy}.log",
+        policy=policy,
+        extra=extra,
+        env={TRACE_ENV: str(trace_path)},
+    )
     raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 4, "rounds": []}
     try:
         # Warm-up (one-time costs).
@@ -252,7 +155,7 @@ def collect(policy: str, args, tmp: Path) -> dict:
             rnd = _calibrate(server)
             rnd["workloads"], rnd["windows"] = {}, {}
             for name, tr in V.workloads(args.quick).items():
-                server.flush()
+                server.flush_cache()
                 t_lo = time.perf_counter()
                 rnd["workloads"][name] = records_of(asyncio.run(run_trace(server.url, tr)))
                 rnd["windows"][name] = [t_lo, time.perf_counter()]
