@@ -11,8 +11,8 @@ Two families:
 
 * **CPU, calibrated** (:func:`cpu_model`): a ``CostModel`` for the tiny model (3 KDA layers,
   1 MLA layer) on this machine, loaded from a calibration file written by the budget's
-  ``CostModel.save`` (``--kda-cost-model FILE``) or by ``benchmark/sim_validate.py`` (which fits
-  it from a short measurement against the real server).
+  ``CostModel.save`` (``--kda-cost-model FILE``) or by ``benchmark/sim_validate.py`` (fitted by
+  :mod:`sglang_kda.sim.calibrate` on the real server's step trace).
 * **Kimi-Linear-48B-A3B on H200** (:class:`KimiLinearH200`) at TP1/TP4/TP8, built from published
   measurements; every constant below names its source. :func:`published_checks` compares it with
   the published end-to-end prefill times (128K-1M) and TPOT figures; ``tests/test_sim_costs.py``
