@@ -388,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    from sglang_kda.compat import refusals
+
+    refused = refusals(server_args, config, on_cuda=not cpu_engine)
+    for r in refused:  # before anything is spawned: features the patches cannot run
+        print(f"sglang_kda.launch_server: error: {r}", file=sys.stderr)
+    if refused:
+        return 2
     if cpu_engine:  # before SGLang spawns its ranks, which read it
         bind_env, note = cpu_threads_bind_env(server_args)
         if not bind_env:

@@ -1,0 +1,174 @@
+"""Which SGLang features sglang_kda refuses at start, and why.
+
+SGLang runs these features with its own caching, but sglang_kda's patches were written for one
+scheduler stepping alone, finishing each prefill through ``process_batch_result_prefill``, with
+device-only KDA states and eager prefill forwards. Under ``--kda-policy kda``, or with
+sglang_kda's own KDA kernel, each feature below would either fail after start or leave the
+checkpoint cache silently inert, so the launcher refuses it up front with exit status 2 and a
+message naming the flag (:func:`refusals`). ``--kda-policy stock`` with SGLang's own kernel
+refuses none of them. The reasons come from reading SGLang 0.5.23; none of these combinations
+has been run (they need GPUs), so a refusal is lifted only by a test that runs it.
+
+A plain module: no SGLang import; it reads the parsed ``ServerArgs`` fields by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_kda.config import KDAConfig
+
+OUR_KERNELS = ("torch", "triton")
+"""Resolved ``--kda-kernel`` values that put sglang_kda's KDA kernel in SGLang's kernel slot."""
+
+USE_STOCK = "use --kda-policy stock"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused feature: the flag that selected it and why sglang_kda cannot run it."""
+
+    flag: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.flag} is not supported by sglang_kda: {self.reason}"
+
+
+def _speculative(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusal]:
+    algo = getattr(server_args, "speculative_algorithm", None)
+    if algo is None or str(algo).upper() == "NONE":
+        return []
+    if kernel in OUR_KERNELS:
+        return [
+            Refusal(
+                "--speculative-algorithm",
+                f"drafts are verified through the KDA kernel's target_verify, which "
+                f"sglang_kda's kernel (--kda-kernel {kernel}) does not implement: the first "
+                "verify would raise NotImplementedError",
+            )
+        ]
+    if policy_kda:
+        return [
+            Refusal(
+                "--speculative-algorithm",
+                "verify rounds write the KDA states of accepted draft tokens through SGLang's "
+                "speculative state buffers, beside which the kda policy's grid cuts, twin waits "
+                f"and checkpoint insertion have never run; {USE_STOCK}",
+            )
+        ]
+    return []
+
+
+def _disaggregation(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    mode = str(getattr(server_args, "disaggregation_mode", "null") or "null")
+    if not policy_kda or mode not in ("prefill", "decode"):
+        return []
+    if mode == "prefill":
+        reason = (
+            "a PD prefill server finishes each prefill through "
+            "process_batch_result_disagg_prefill, never through process_batch_result_prefill, "
+            "where the kda policy inserts the checkpoints captured during the forward: they "
+            "would be computed and never cached, and twins would wait for them in vain"
+        )
+    else:
+        reason = (
+            "a PD decode server receives its requests already prefilled (its PREBUILT batches "
+            "never enter a model forward), so the kda policy has nothing to act on there"
+        )
+    return [Refusal(f"--disaggregation-mode {mode}", f"{reason}; {USE_STOCK}")]
+
+
+def prefill_graph_backend(server_args: Any) -> tuple[str, str] | None:
+    """The prefill CUDA graph backend the user chose, with the flag that chose it; None when
+    SGLang decides (it keeps the prefill graph off for KDA models but GLM-5 Next:
+    ``arg_groups/cuda_graph_hook.py``). Same precedence as SGLang: ``--cuda-graph-config`` JSON,
+    then ``--cuda-graph-backend-prefill``, then ``--disable-prefill-cuda-graph``."""
+    config = getattr(server_args, "cuda_graph_config", None)
+    if isinstance(config, dict):
+        backend = (config.get("prefill") or {}).get("backend")
+    else:
+        backend = getattr(getattr(config, "prefill", None), "backend", None)
+    if backend is not None:
+        return str(backend), "--cuda-graph-config"
+    backend = getattr(server_args, "cuda_graph_backend_prefill", None)
+    if backend is not None:
+        return str(backend), "--cuda-graph-backend-prefill"
+    if getattr(server_args, "disable_prefill_cuda_graph", False):
+        return "disabled", "--disable-prefill-cuda-graph"
+    return None
+
+
+def _prefill_graph(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusal]:
+    chosen = prefill_graph_backend(server_args)
+    if chosen is None or chosen[0] == "disabled":
+        return []
+    backend, flag = chosen
+    if kernel in OUR_KERNELS:
+        reason = (
+            f"sglang_kda's KDA kernel (--kda-kernel {kernel}) reads each batch's sequence "
+            "bounds on the host, a device-to-host copy that CUDA graph capture forbids and a "
+            "replay would not redo"
+        )
+    elif policy_kda:
+        reason = (
+            "KDA prefills replayed from a CUDA graph skip the kda policy's checkpoint capture "
+            "(host-side work around each KDA layer), so they would leave no checkpoints; "
+            f"{USE_STOCK}"
+        )
+    else:
+        return []
+    return [Refusal(f"{flag} (prefill backend {backend})", reason)]
+
+
+def _dp_attention(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    if not policy_kda:
+        return []
+    if getattr(server_args, "enable_dp_attention", False):
+        flag = "--enable-dp-attention"
+    elif int(getattr(server_args, "attn_dp_size", 1) or 1) > 1:
+        flag = "--attn-dp-size"
+    else:
+        return []
+    return [
+        Refusal(
+            flag,
+            "attention-DP ranks step in lockstep through SGLang's MLP sync (a rank with nothing "
+            "to run forwards an idle batch; with prefill CUDA graphs a rank's decode batch may "
+            "be re-run as one-token extends when a peer prefills), which the kda policy's "
+            "prefill-step accounting and checkpoint capture were not written or tested for; "
+            f"{USE_STOCK} (data-parallel replicas, --dp-size, are supported)",
+        )
+    ]
+
+
+def _hicache(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    if not policy_kda or not getattr(server_args, "enable_hierarchical_cache", False):
+        return []
+    return [
+        Refusal(
+            "--enable-hierarchical-cache",
+            "HiCache keeps KDA states on a host tier too (backed up from the device, loaded "
+            "back on a match), while the kda policy's checkpoint book, --kda-checkpoint-pool-size "
+            "and --kda-eviction count and evict device states only, through SGLang's eviction "
+            "walk, which with --hicache-write-policy write_back defers a state until its host "
+            f"backup; {USE_STOCK}",
+        )
+    ]
+
+
+def refusals(server_args: Any, config: KDAConfig, on_cuda: bool = True) -> list[Refusal]:
+    """The features of ``server_args`` (SGLang's parsed ``ServerArgs``, before resolution)
+    that sglang_kda cannot run with ``config``; empty when the server may start.
+
+    ``on_cuda`` resolves ``--kda-kernel auto`` (:meth:`KDAConfig.resolved_kernel`)."""
+    kda = config.policy == "kda"
+    kernel = config.resolved_kernel(on_cuda)
+    return [
+        *_speculative(server_args, kda, kernel),
+        *_disaggregation(server_args, kda),
+        *_prefill_graph(server_args, kda, kernel),
+        *_dp_attention(server_args, kda),
+        *_hicache(server_args, kda),
+    ]
