@@ -11,12 +11,17 @@ How: ``__init__`` records the grid (:func:`sglang_kda.policy.grid.checkpoint_gri
     cache holds KDA/mamba states; a chunked admission's ``extend_len`` and the continuing chunk's
     length both become :func:`sglang_kda.policy.grid.aligned_chunk_len` (never longer than what
     upstream chose, so every budget check upstream made still holds); each cut is recorded in
-    ``RECENT_CUTS`` (shown by ``/server_info``). A cut gives tokens back to the round's budget,
-    which upstream never does for an unfinished chunk; SGLang tracks a single unfinished chunked
-    request per round (``Scheduler.chunked_req``), so once a round holds one (an admission that
-    stays chunked, or a continuing chunk that is still truncated) ``_commit_prefill_admission``
-    and ``add_chunked_req`` close the round's chunk budget (``rem_chunk_tokens = 0``): no second
-    request can be admitted and cut in the same round.
+    ``RECENT_CUTS`` (shown by ``/server_info``).
+    Short requests beside a long prefill: ``SchedulePolicy.shortest_prefill_chunk_limit`` (upstream
+    caps the in-flight chunk only under ``--schedule-policy shortest-prefill-first``) returns
+    :func:`sglang_kda.policy.round.make_room`'s limit under every schedule policy, so waiting
+    requests that fit whole enter the same round and the long prompt continues with the rest
+    (the serial budget's wrapper passes the planned slice as ``_kda_keep``/``_kda_cap`` on the
+    policy object). SGLang tracks a single unfinished chunked request per round
+    (``Scheduler.chunked_req``): while the round holds one, ``_select_prefill_admission`` turns
+    down any admission that would be cut (``AddReqResult.CONTINUE`` after releasing the state
+    slot its match staged, so requests behind it are still considered); a newly admitted
+    request that stays chunked closes the round's chunk budget (``rem_chunk_tokens = 0``).
     Checkpoint cache (upstream's in-flight ``chunked_req`` never re-matches the tree): before
     ``add_chunked_req`` cuts the next chunk, the request jumps to the deepest checkpoint cached
     meanwhile (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``add_one_req`` makes a
@@ -33,13 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import deque
+
+from sglang_kda.state import RECENT_CUTS  # the cuts /server_info shows (sglang_kda/report.py)
 
 UPSTREAM = "sglang.srt.managers.schedule_policy"
-
-# The most recent cuts taken in this (scheduler) process, newest last, as
-# ``(prefix_len, budget, remaining, taken)``; reported in ``/server_info`` (see report.py).
-RECENT_CUTS: deque = deque(maxlen=32)
 
 
 def wanted(ctx) -> bool:
@@ -64,13 +66,20 @@ def release_staged_state(tree_cache, req) -> None:
         req.kv.mamba_pool_idx = None
 
 
+def _work(req) -> int:
+    """Tokens a waiting request would prefill (upstream's own estimate; an upper bound before
+    its prefix is matched)."""
+    return len(req.origin_input_ids) + len(req.output_ids) - (req.num_matched_prefix_tokens or 0)
+
+
 def apply(ctx) -> None:
     import importlib
 
     from sglang_kda.cache.checkpoints import resume_in_flight
     from sglang_kda.cache.stats import STATS
     from sglang_kda.policy.admission import Leader, twin_gain
-    from sglang_kda.policy.grid import aligned_chunk_len
+    from sglang_kda.policy.grid import aligned_chunk_len, checkpoint_grid
+    from sglang_kda.policy.round import make_room
 
     cls = importlib.import_module(UPSTREAM).PrefillAdder
     if getattr(cls, "_sglang_kda_patched", False):
@@ -81,8 +90,10 @@ def apply(ctx) -> None:
     orig_commit = cls._commit_prefill_admission
     orig_add_chunked = cls.add_chunked_req
     orig_add_one = cls.add_one_req
+    orig_limit = importlib.import_module(UPSTREAM).SchedulePolicy.shortest_prefill_chunk_limit
     mod = importlib.import_module(UPSTREAM)
     twins_on = ctx.config.twins == "on"
+    policy_cls = mod.SchedulePolicy
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         taken = aligned_chunk_len(prefix_len, budget, remaining, self._kda_grid)
@@ -94,11 +105,18 @@ def apply(ctx) -> None:
         orig_init(self, page_size, *args, **kwargs)
         self._kda_grid = _hybrid_grid(self)
         self._kda_prefix_len = 0
+        self._kda_round_chunked = False  # the round holds an unfinished chunked request
+        self._kda_refused = None
 
     @functools.wraps(orig_select)
     def _select_prefill_admission(self, req, **kwargs):
         adm = orig_select(self, req, **kwargs)
-        if self._kda_grid <= 1 or not getattr(adm, "is_chunked", False):
+        if not getattr(adm, "is_chunked", False):
+            return adm
+        if self._kda_round_chunked:  # one unfinished chunked request per round
+            self._kda_refused = req
+            return mod.AddReqResult.CONTINUE
+        if self._kda_grid <= 1:
             return adm
         remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
         taken = cut(self, adm.prefix_len, adm.extend_len, remaining)
@@ -133,6 +151,11 @@ def apply(ctx) -> None:
                 return mod.AddReqResult.CONTINUE
         n_before = len(self.can_run_list)
         res = orig_add_one(self, req, has_chunked_req, truncation_align_size)
+        if self._kda_refused is req:
+            self._kda_refused = None
+            STATS.add("passed_over_while_chunked")
+            release_staged_state(self.tree_cache, req)
+            return res
         if getattr(self, "_kda_twin_waiting", False) and len(self.can_run_list) > n_before:
             STATS.add("admitted_past_waiting_twin")
         return res
@@ -144,8 +167,25 @@ def apply(ctx) -> None:
         self._kda_prefix_len = req.prefix_len
         still_chunked = orig_add_chunked(self, req)
         if still_chunked is not None:  # running this round or parked: either way it is the one
-            close_round(self)
+            self._kda_round_chunked = True
         return still_chunked
+
+    @functools.wraps(orig_limit)
+    def shortest_prefill_chunk_limit(self, chunked_req, waiting_queue, budget, page_size):
+        hybrid = self.tree_cache.supports_mamba()
+        room = make_room(
+            budget,
+            chunked_req.prefix_len,
+            len(chunked_req.full_untruncated_fill_ids) - chunked_req.prefix_len,
+            [_work(r) for r in waiting_queue],
+            checkpoint_grid(page_size) if hybrid else page_size,
+            page_size,
+            keep=getattr(self, "_kda_keep", None),
+            cap=getattr(self, "_kda_cap", None),
+        )
+        if room.admitted:
+            STATS.add("rounds_made_room")
+        return room.limit
 
     def noting_prefix(orig):
         """``floor_chunked_tokens`` is not told the prefix; its callers know it."""
@@ -170,6 +210,7 @@ def apply(ctx) -> None:
     cls.add_chunked_req = add_chunked_req
     cls.add_one_req_ignore_eos = noting_prefix(cls.add_one_req_ignore_eos)
     cls.floor_chunked_tokens = floor_chunked_tokens
+    policy_cls.shortest_prefill_chunk_limit = shortest_prefill_chunk_limit
     cls._orig_floor_chunked_tokens = orig_floor
     cls._orig_select_prefill_admission = orig_select
     cls._sglang_kda_patched = True

@@ -47,7 +47,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 UPSTREAM = "sglang.srt.managers.scheduler"
 
@@ -68,23 +68,24 @@ class BudgetRuntime:
 
     cfg: object  # BudgetConfig
     fit: object  # OnlineFit
-    book: object  # DeadlineBook
+    planner: object  # RoundPlanner: deadline book, pacing count, last plan
     reject: bool
     path: str
-    rounds: dict = field(default_factory=dict)
-    last_plan: object = None
     step_start: float | None = None
     step_shape: object = None
     last_drift_log: int = -(10**9)
-    since_slice: int = 0  # rounds with decode and no prefill slice since the last slice (capped)
-    slice_overshoot: bool = False  # the last shared round took longer than its budget
+
+    @property
+    def book(self):
+        return self.planner.book
 
     def report(self) -> dict:
         f = self.fit
+        plan = self.planner.last_plan
         return {
             "mode": "serial",
             "itl_target_ms": (self.cfg.itl_target_s or 0) * 1e3,
-            "rounds": dict(self.rounds),
+            "rounds": dict(self.planner.rounds),
             "deadlines": self.book.stats.as_dict(),
             "live": len(self.book.live),
             "cost_model": {
@@ -93,7 +94,7 @@ class BudgetRuntime:
                 "error_ema": f.error_ema,
                 "coefficients": f.model.coef.__dict__,
             },
-            "last_plan": None if self.last_plan is None else self.last_plan.__dict__,
+            "last_plan": None if plan is None else plan.__dict__,
         }
 
 
@@ -167,24 +168,6 @@ def _arrival(req, now: float) -> float:
     return now - waited if created > 0 and 0 <= waited < 600 else now
 
 
-def _shape(batch):
-    """The cost model's view of a batch about to run (None for an idle or unusual batch)."""
-    from sglang_kda.policy.cost_model import BatchShape, Slice
-
-    mode = batch.forward_mode
-    if mode.is_decode():
-        return BatchShape(tuple(max(0, r.seqlen - 1) for r in batch.reqs), ())
-    if not mode.is_extend() or batch.prefix_lens is None:
-        return None
-    n_dec = len(batch.decoding_reqs or ())
-    n_pre = len(batch.reqs) - n_dec
-    pre, ext = batch.prefix_lens, batch.extend_lens
-    return BatchShape(
-        tuple(int(pre[i]) for i in range(n_pre, len(batch.reqs))),
-        tuple(Slice(int(pre[i]), int(ext[i])) for i in range(n_pre)),
-    )
-
-
 def _runtime(sched) -> BudgetRuntime | None:
     """The budget state, built on first use; None where the budget does not apply."""
     st = getattr(sched, "_kda_budget", False)
@@ -202,7 +185,7 @@ def _runtime(sched) -> BudgetRuntime | None:
 
 def _build(sched) -> BudgetRuntime | None:
     from sglang_kda.config import KDAConfig
-    from sglang_kda.policy.budget import BudgetConfig, DeadlineBook
+    from sglang_kda.policy.budget import BudgetConfig
     from sglang_kda.policy.cost_model import (
         CostModel,
         OnlineFit,
@@ -210,6 +193,7 @@ def _build(sched) -> BudgetRuntime | None:
         default_cache_path,
     )
     from sglang_kda.policy.grid import checkpoint_grid
+    from sglang_kda.policy.round import RoundPlanner
 
     kcfg = KDAConfig.from_env()
     kda, mla = _layers(sched.model_config)
@@ -257,17 +241,16 @@ def _build(sched) -> BudgetRuntime | None:
     return BudgetRuntime(
         cfg=cfg,
         fit=OnlineFit(model),
-        book=DeadlineBook(cfg),
+        planner=RoundPlanner(cfg),
         reject=kcfg.reject_infeasible == "on",
         path=path,
-        since_slice=cfg.pace_every,  # a fresh server has no slice to space from
     )
 
 
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.policy.budget import next_since_slice, plan_round, with_margin
+    from sglang_kda.steps import batch_shape
 
     cls = importlib.import_module(UPSTREAM).Scheduler
     if getattr(cls, "_sglang_kda_budget_patched", False):
@@ -306,43 +289,31 @@ def apply(ctx) -> None:
         st = _runtime(self)
         if st is None:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
-        now = time.monotonic()
-        book = st.book
         chunked = self.chunked_req
-        present = {r.rid: r for r in self.waiting_queue}
-        if chunked is not None:
-            present[chunked.rid] = chunked
-        for rid in [r for r in book.live if r not in present]:
-            book.drop(rid)  # aborted, or never queued through _add_request_to_queue
-        for rid, r in present.items():
-            if r is not chunked:
-                book.progress(rid, getattr(r, "prefix_len", 0) or 0)
-        decode_ctx = [max(0, r.seqlen - 1) for r in running_batch.reqs]
-        plan = plan_round(
+        queue = [(r.rid, getattr(r, "prefix_len", 0) or 0) for r in self.waiting_queue]
+        if chunked is not None:  # its progress is booked after each step (_prefills_done)
+            queue.append((chunked.rid, 0))
+        dec = st.planner.decide(
             st.fit.model,
-            with_margin(st.cfg, st.fit.error_ema),
-            now,
-            decode_ctx,
-            book.pending(present),
+            time.monotonic(),
+            [r.seqlen for r in running_batch.reqs],  # as sglang_kda.steps counts decode context
+            queue,
             inflight=chunked.rid if chunked is not None else None,
-            since_slice=st.since_slice if running_batch.reqs else None,
-            slice_overshoots=st.slice_overshoot,
+            error=st.fit.error_ema,
         )
-        st.last_plan = plan
-        st.since_slice = next_since_slice(st.since_slice, plan, bool(running_batch.reqs), st.cfg)
-        if plan.rid is None:
+        if dec is None:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
-        st.rounds[plan.mode] = st.rounds.get(plan.mode, 0) + 1
-        _inc("rounds", mode=plan.mode)
-        if plan.mode == "pace":
-            # Decode alone this round. An in-flight chunked request was already stashed by
-            # get_next_batch_to_run (prefix_len = extend_end), so it simply resumes later.
+        _inc("rounds", mode=dec.plan.mode)
+        if not dec.run_prefill:
+            # Paced: decode alone this round. An in-flight chunked request was already stashed
+            # by get_next_batch_to_run (prefix_len = extend_end), so it simply resumes later.
             return None, running_batch
-        head = present.get(plan.rid) if chunked is None else None
+        head = next((r for r in self.waiting_queue if r.rid == dec.head), None)
         saved = self.chunked_prefill_size, self.is_mixed_chunk
-        had_calc = "calc_priority" in self.policy.__dict__
+        policy = self.policy
+        had_calc = "calc_priority" in policy.__dict__
         if head is not None:
-            orig_calc = self.policy.calc_priority
+            orig_calc = policy.calc_priority
 
             def calc_priority(queue, *args, **kwargs):
                 orig_calc(queue, *args, **kwargs)
@@ -350,23 +321,25 @@ def apply(ctx) -> None:
                     queue.remove(head)
                     queue.insert(0, head)
 
-            self.policy.calc_priority = calc_priority
+            policy.calc_priority = calc_priority
         # Upstream takes the mixed decode tokens out of the chunk budget: give them back.
-        mixed = len(running_batch.reqs) if plan.mix_decode else 0
-        self.chunked_prefill_size = plan.tokens + mixed
-        self.is_mixed_chunk = plan.mix_decode
+        mixed = len(running_batch.reqs) if dec.mix_decode else 0
+        self.chunked_prefill_size = dec.chunk_budget + mixed
+        self.is_mixed_chunk = dec.mix_decode
+        policy._kda_keep, policy._kda_cap = dec.keep, dec.cap  # read by make_room's wiring
         try:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         finally:
             self.chunked_prefill_size, self.is_mixed_chunk = saved
+            policy._kda_keep = policy._kda_cap = None
             if head is not None and not had_calc:
-                del self.policy.calc_priority
+                del policy.calc_priority
 
     @functools.wraps(orig_run)
     def run_batch(self, batch, *args, **kwargs):
         st = getattr(self, "_kda_budget", None)
         if st:
-            st.step_shape = _shape(batch)
+            st.step_shape = batch_shape(batch)
             st.step_start = time.perf_counter()
         return orig_run(self, batch, *args, **kwargs)
 
@@ -379,9 +352,7 @@ def apply(ctx) -> None:
             shape, st.step_start = st.step_shape, None
             if shape is not None:
                 _observe(st, shape, seconds)
-                plan = st.last_plan
-                if plan is not None and plan.mode == "share" and shape.slices and shape.decode_ctx:
-                    st.slice_overshoot = seconds > plan.budget_s
+                st.planner.observed(seconds, bool(shape.slices), bool(shape.decode_ctx))
             if batch.forward_mode.is_extend():
                 _prefills_done(st, batch)
         return out

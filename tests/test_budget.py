@@ -316,30 +316,6 @@ class _Mode:
         return not self.decode
 
 
-def test_batch_shape_of_a_mixed_batch():
-    """A mixed batch lists the prefill requests first and the decode rows after them (upstream's
-    ``mix_with_running``); decode rows have extend length 1 and prefix = their context."""
-    from types import SimpleNamespace as NS
-
-    from sglang_kda.patches.scheduler import _shape
-
-    pre = [NS(rid="a"), NS(rid="b")]
-    dec = [NS(rid="c"), NS(rid="d")]
-    batch = NS(
-        forward_mode=_Mode(False),
-        reqs=pre + dec,
-        decoding_reqs=dec,
-        prefix_lens=[128, 0, 700, 41],
-        extend_lens=[64, 30, 1, 1],
-    )
-    assert _shape(batch) == BatchShape.of([700, 41], [(128, 64), (0, 30)])
-    plain = NS(**{**batch.__dict__, "reqs": pre, "decoding_reqs": None})
-    plain.prefix_lens, plain.extend_lens = [128, 0], [64, 30]
-    assert _shape(plain) == BatchShape.of([], [(128, 64), (0, 30)])
-    decode = NS(forward_mode=_Mode(True), reqs=[NS(seqlen=10), NS(seqlen=1)])
-    assert _shape(decode) == BatchShape.of([9, 0])
-
-
 def test_layer_counts_from_the_model_config():
     from types import SimpleNamespace as NS
 

@@ -30,6 +30,13 @@ _HELP = {
         "Requests admitted in a round after a twin waiting in that round (a waiting twin does "
         "not end the round's admissions)"
     ),
+    "rounds_made_room": (
+        "Rounds in which the in-flight chunked prefill gave way to waiting requests that fit whole"
+    ),
+    "passed_over_while_chunked": (
+        "Admissions passed over because they would need cutting while a chunked prefill is in "
+        "flight (SGLang tracks one unfinished chunked request)"
+    ),
     "eviction_lru_fallbacks": (
         "State evictions that fell back to SGLang's LRU (the state book missed a tree state)"
     ),
@@ -51,6 +58,8 @@ class CacheStats:
     checkpoints_evicted: int = 0
     twin_waits: int = 0
     admitted_past_waiting_twin: int = 0
+    rounds_made_room: int = 0
+    passed_over_while_chunked: int = 0
     eviction_lru_fallbacks: int = 0
     checkpoints_held: int = 0
     checkpoint_bytes: int = 0

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
 MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace", "burst")
 
@@ -53,7 +54,8 @@ MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace", "burst")
 class BudgetConfig:
     """Settings of the budget (seconds and tokens).
 
-    itl_target_s: the round budget; ``None``: ``itl_factor`` x the decode-only step.
+    itl_target_s: the round budget; ``None``: ``itl_factor`` x the decode-only step, at least
+        ``itl_floor_s``.
     ttft_deadline_s / deadline_s_per_1k: the default deadline of a prefill.
     grid: the checkpoint grid (cuts end on it).
     max_slice: the most prefill tokens one round takes (SGLang's ``--chunked-prefill-size``).
@@ -66,9 +68,10 @@ class BudgetConfig:
 
     itl_target_s: float | None = None
     itl_factor: float = 1.2
+    itl_floor_s: float = 0.0
     ttft_deadline_s: float = 10.0
     deadline_s_per_1k: float = 1.0
-    grid: int = 64
+    grid: int = KDA_KERNEL_CHUNK
     max_slice: int = 4096
     safety: float = 1.2
     pace_every: int = 0
@@ -142,7 +145,7 @@ def round_budget(model: CostModel, decode_ctx: Sequence[int], cfg: BudgetConfig)
     """The time budget of a round with these decode tokens running."""
     if cfg.itl_target_s is not None:
         return cfg.itl_target_s
-    return cfg.itl_factor * model.predict(BatchShape.of(decode_ctx))
+    return max(cfg.itl_floor_s, cfg.itl_factor * model.predict(BatchShape.of(decode_ctx)))
 
 
 def alone_time(model: CostModel, p: Prefill, cfg: BudgetConfig) -> float:

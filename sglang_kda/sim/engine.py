@@ -60,6 +60,7 @@ from sglang_kda.sim.tree import RadixTree
 from sglang_kda.policy import admission as admission_mod
 from sglang_kda.policy import budget as budget_mod
 from sglang_kda.policy import grid as grid_mod
+from sglang_kda.policy import round as round_mod
 from sglang_kda.policy.admission import Leader
 from sglang_kda.policy.cost_model import BatchShape, Slice
 from sglang_kda.sim.trace import Trace
@@ -228,16 +229,22 @@ class Rank:
         self.now = 0.0
         self.rounds: list[RoundRecord] = [] if record else None
         self.n_rounds = 0
-        self.book = budget_mod.DeadlineBook(cfg.budget) if cfg.kda and cfg.budget else None
+        self.planner = round_mod.RoundPlanner(cfg.budget) if cfg.kda and cfg.budget else None
+        self.last_decision = None
         self.infeasible: list[str] = []
         self.twin_waits = 0
-        # budget pacing: rounds with decode and no slice since the last slice (fresh: none)
-        self.since_slice = cfg.budget.pace_every if cfg.budget is not None else 0
+        self.rounds_made_room = 0  # rounds the in-flight chunked request gave way in
+        self.passed_over = 0  # admissions passed over while a chunked request was in flight
         self.wake = True  # nothing has run yet: the first round is a wake-up too
         self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
         self.rng = random.Random(f"{cfg.seed}:{rank_id}")
+
+    @property
+    def book(self):
+        """The deadline book (``None`` without the budget)."""
+        return None if self.planner is None else self.planner.book
 
     # -- queue --------------------------------------------------------------------------------
     @property
@@ -254,8 +261,8 @@ class Rank:
             self.now = max(self.now, t)
         r.rank, r.enqueued, r.state = self.id, t, "waiting"
         self.waiting.append(r)
-        if self.book is not None:
-            _, infeasible = self.book.admit(
+        if self.planner is not None:
+            _, infeasible = self.planner.book.admit(
                 self.cost, r.rid, t, len(r.ids), 0, r.deadline_s, arrival=r.arrival
             )
             if infeasible:
@@ -275,6 +282,11 @@ class Rank:
     def _limit(self, r: SimReq) -> int:
         return len(r.ids) - 1
 
+    def _work(self, r: SimReq) -> int:
+        """Tokens a waiting request would prefill, as the server estimates it before matching
+        (its whole prompt: FCFS does not match waiting prefixes)."""
+        return len(r.ids)
+
     def _relock(self, r: SimReq, node) -> None:
         self.tree.lock(node)
         if r.node is not None:
@@ -287,32 +299,27 @@ class Rank:
         cfg = self.cfg
         decode_ctx = [r.ctx for r in self.running]
         chunk_budget = cfg.chunked_prefill_size
+        keep = cap = None
         mix = cfg.enable_mixed_chunk and not cfg.kda
         mode = ""
-        if self.book is not None:
-            pending = [self.chunked] if self.chunked else []
-            pending += self.waiting
-            for r in pending:
-                self.book.progress(r.rid, r.prefix)
-            plan = budget_mod.plan_round(
+        paced = False
+        if self.planner is not None:
+            queue = [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
+            queue += [(r.rid, r.prefix) for r in self.waiting]
+            dec = self.planner.decide(
                 self.cost,
-                cfg.budget,
                 self.now,
                 decode_ctx,
-                self.book.pending([r.rid for r in pending]),
+                queue,
                 inflight=self.chunked.rid if self.chunked else None,
-                since_slice=self.since_slice if decode_ctx else None,
             )
-            mode = plan.mode
-            self.since_slice = budget_mod.next_since_slice(
-                self.since_slice, plan, bool(decode_ctx), cfg.budget
-            )
-            # pace: decode alone this round (the server returns no prefill)
-            if plan.rid is not None and plan.mode != "pace":
-                chunk_budget = max(1, plan.tokens)
-                mix = plan.mix_decode
-                if self.chunked is None:  # the plan's prefill first (EDF among those at risk)
-                    i = next((k for k, r in enumerate(self.waiting) if r.rid == plan.rid), None)
+            self.last_decision = dec
+            if dec is not None:
+                mode = dec.plan.mode
+                paced = not dec.run_prefill  # pace: decode alone (the server returns no prefill)
+                chunk_budget, keep, cap, mix = dec.chunk_budget, dec.keep, dec.cap, dec.mix_decode
+                if dec.head is not None:  # the plan's prefill first (EDF among those at risk)
+                    i = next((k for k, r in enumerate(self.waiting) if r.rid == dec.head), None)
                     if i:
                         self.waiting.insert(0, self.waiting.pop(i))
         if mix and decode_ctx:
@@ -321,8 +328,8 @@ class Rank:
         slices: list[tuple[SimReq, int, int]] = []  # (req, start, end)
         rem_chunk = chunk_budget
         rem_input = cfg.max_prefill_tokens - (len(decode_ctx) if mix else 0)
-        paced = mode == "pace"
-        closed = paced
+        closed = paced  # nothing more is admitted
+        inflight_cut = paced  # the round holds an unfinished chunked request
         n_run = len(self.running)
         if self.chunked is not None and not paced:
             r = self.chunked
@@ -333,13 +340,29 @@ class Rank:
                     r.prefix = m.length
                     self._relock(r, m.node)
             remaining = len(r.ids) - r.prefix
-            take = self._cut(r.prefix, max(1, rem_chunk), remaining)
+            limit = max(1, rem_chunk)
+            if cfg.kda:  # short waiting requests enter beside it (the server's make_room)
+                room = round_mod.make_room(
+                    limit,
+                    r.prefix,
+                    remaining,
+                    [self._work(w) for w in self.waiting],
+                    cfg.grid,
+                    cfg.page_size,
+                    keep=keep,
+                    cap=cap,
+                )
+                if room.limit is not None:
+                    limit = room.limit
+                    self.rounds_made_room += bool(room.admitted)
+            take = self._cut(r.prefix, limit, remaining)
             slices.append((r, r.prefix, r.prefix + take))
             rem_chunk -= take
             rem_input -= take
             n_run += 1
             if take < remaining:
-                closed = True
+                inflight_cut = True
+                closed = not cfg.kda  # stock: the chunk took the round's whole budget
         leaders: list[Leader] = [Leader(r.ids, s, e) for r, s, e in slices]
         admitted: list[SimReq] = []
         skipped: list[SimReq] = []  # twins waiting for a leader: they stay in the queue
@@ -357,6 +380,12 @@ class Rank:
             extend = len(r.ids) - m.length
             if extend > rem_input and slices:
                 break
+            if inflight_cut and extend > rem_chunk:
+                # It would need cutting, and the round already holds an unfinished chunked
+                # request: passed over (the server's CONTINUE); requests behind it may enter.
+                self.passed_over += 1
+                skipped.append(self.waiting.pop(0))
+                continue
             self.waiting.pop(0)
             if skipped:
                 self.admitted_past_waiting_twin += 1
@@ -373,7 +402,7 @@ class Rank:
             rem_input -= take
             n_run += 1
             if take < extend:
-                closed = True
+                closed = inflight_cut = True
         self.waiting[:0] = skipped  # the skipped twins keep their places at the queue's head
 
         if not slices and not self.running:
@@ -429,8 +458,8 @@ class Rank:
                     self._relock(r, node)
                 self.chunked = r
             else:
-                if self.book is not None:
-                    self.book.finish(r.rid, end)
+                if self.planner is not None:
+                    self.planner.book.finish(r.rid, end)
                 r.state = "decode"
         # The server sheds tree states past the cap after a prefill step's inserts, then
         # inserts finished requests (each insert enforcing the cap again).

@@ -275,6 +275,32 @@ def long_among_decodes(
     return Trace(reqs, seed=seed, name="long_among_decodes")
 
 
+def short_behind_long(
+    long_prompt=24_000,
+    shorts=4,
+    short_prompt=80,
+    first_short_s=1.0,
+    gap_s=0.5,
+    out=8,
+    long_out=4,
+    seed=0,
+):
+    """One long prompt at 0, then ``shorts`` short prompts from ``first_short_s`` on, ``gap_s``
+    apart (the head-of-line run of issue 20: a short prompt must not wait for the long
+    prefill)."""
+    reqs = [TraceRequest("long", long_out, t=0.0, segments=_seg(("longp", long_prompt)))]
+    reqs += [
+        TraceRequest(
+            f"short{i}",
+            out,
+            t=round(first_short_s + gap_s * i, 6),
+            segments=_seg((f"sp{i}", short_prompt)),
+        )
+        for i in range(shorts)
+    ]
+    return Trace(reqs, seed=seed, name="short_behind_long")
+
+
 def agent_multi_turn(
     agents=16,
     turns=6,

@@ -1,0 +1,209 @@
+"""One scheduler round's decision: who prefills how much, and whether decode rides along.
+
+SGLang 0.5.23 builds a round as: the in-flight chunked request takes the round's chunk budget
+first (``PrefillAdder.add_chunked_req``), then waiting requests are admitted while budget is left.
+A long prompt's slice therefore takes the whole budget every round, and a short prompt that
+arrives meanwhile waits for the entire long prefill (measured on the CPU server: a 24,000-token
+prompt made four 80-token prompts wait 7-8 s each; sglang #34623 on GPUs). For a KDA request
+nothing is lost by giving way at a round boundary: its state waits in its own slot.
+
+This module is the one place that decides a round; the scheduler patches
+(``patches/schedule_policy.py``, ``patches/scheduler.py``), the simulator
+(:mod:`sglang_kda.sim.engine`) and the tests call it:
+
+* :func:`make_room`: how many tokens the in-flight chunked request may take so that waiting
+  requests that fit whole (and are shorter than what the long prompt has left: shortest
+  remaining work first) enter the same round. The long prompt keeps ``keep`` tokens a round
+  (by default half the round's budget, on the grid; at least one grid step), so a stream of
+  short prompts slows it to at most half speed and never stops it; under the serial budget
+  ``keep`` is the planned slice, and a request whose deadline is at risk keeps the whole round.
+  A waiting request that does not fit whole is not cut while the round already holds an
+  unfinished chunked request (SGLang tracks one); it waits, and requests behind it still enter.
+* :class:`RoundPlanner`: with ``--kda-budget serial``, the deadline book kept in step with the
+  queue, the plan (:func:`sglang_kda.policy.budget.plan_round`), the pacing count, the
+  observed-overshoot flag, and the round's chunk budget and in-flight ``keep``
+  (:func:`round_tokens`).
+
+Pure: plain numbers and ids in, plain numbers out; no SGLang objects, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+from sglang_kda.policy import budget as budget_mod
+from sglang_kda.policy.budget import BudgetConfig, DeadlineBook, Plan
+
+KEEP_SHARE = 0.5  # the in-flight long prompt keeps at least this share of a round's budget
+
+
+@dataclass(frozen=True)
+class Room:
+    """What :func:`make_room` decided.
+
+    limit: the most tokens the in-flight chunked request may take this round (``None``: no
+        limit, upstream's behaviour: it takes what the budget gives).
+    admitted: indices (into the waiting list given) of the requests the room was made for.
+    reserved: tokens set aside for them.
+    """
+
+    limit: Optional[int]
+    admitted: tuple[int, ...] = ()
+    reserved: int = 0
+
+
+def default_keep(budget: int, done: int, remaining: int, grid: int) -> int:
+    """The in-flight request's share of a round with ``budget`` tokens: ``KEEP_SHARE`` of it,
+    rounded down to the grid, but at least up to the next grid point (or all that is left)."""
+    first = min((done // grid + 1) * grid - done, remaining)
+    return max(first, int(budget * KEEP_SHARE) // grid * grid)
+
+
+def make_room(
+    budget: int,
+    done: int,
+    remaining: int,
+    waiting_work: Sequence[int],
+    grid: int,
+    page_size: int = 1,
+    keep: Optional[int] = None,
+    cap: Optional[int] = None,
+) -> Room:
+    """Share a round between the in-flight chunked request and short waiting requests.
+
+    Args:
+        budget: the round's prefill tokens (SGLang's remaining chunk budget).
+        done / remaining: the in-flight request's prompt tokens done and left.
+        waiting_work: tokens each waiting request would prefill (an upper bound), in the
+            scheduler's order.
+        grid: the checkpoint grid; page_size: the KV page (a request is charged whole pages).
+        keep: tokens the in-flight request keeps whatever waits (default :func:`default_keep`).
+        cap: the most the in-flight request takes even with nothing waiting (default: the
+            budget; the serial budget passes its planned slice).
+
+    A waiting request gets room when it is shorter than what the in-flight request has left
+    and its pages fit in what ``keep`` leaves; one that does not is passed over (requests
+    behind it are still considered).
+    """
+    cap = budget if cap is None else min(cap, budget)
+    if budget <= 0 or remaining <= 0:
+        return Room(None)
+    keep = default_keep(budget, done, remaining, grid) if keep is None else keep
+    room = budget - max(keep, 1)
+    reserved, admitted = 0, []
+    for i, work in enumerate(waiting_work):
+        charge = -(-max(work, 1) // page_size) * page_size
+        if work < remaining and reserved + charge <= room:
+            reserved += charge
+            admitted.append(i)
+    limit = min(cap, budget - reserved)
+    if limit >= budget:
+        return Room(None)
+    return Room(max(1, limit), tuple(admitted), reserved)
+
+
+def round_tokens(plan: Plan, max_slice: int, inflight: bool) -> tuple[int, Optional[int], int]:
+    """The serial budget's plan as SGLang's per-round inputs: (chunk budget, in-flight keep,
+    in-flight cap).
+
+    Without an in-flight chunked request the plan's head is admitted first and cut at the
+    plan's tokens, as before. With one, the round's budget is the whole ``max_slice`` so that
+    short requests can enter beside the planned slice; the in-flight request takes exactly its
+    planned tokens (``share``/``grow``/``burst``), half of the round when nothing runs beside
+    it (``prefill_only``), all of it when its deadline is at risk (``alone``).
+    """
+    tokens = max(1, plan.tokens)
+    if not inflight:
+        return tokens, None, tokens
+    budget = max(max_slice, tokens)
+    if plan.mode == "prefill_only":
+        return budget, None, budget
+    if plan.mode == "alone":
+        return budget, budget, budget
+    return budget, tokens, tokens
+
+
+@dataclass
+class Decision:
+    """A planned round as the scheduler applies it.
+
+    plan: the budget's plan; run_prefill: False for a paced round (decode alone).
+    chunk_budget: prefill tokens of the round; keep / cap: the in-flight request's share
+    (:func:`make_room`); mix_decode: decode rides along; head: a waiting request to move to
+    the front of the queue (the plan's head, when no chunked request is in flight).
+    """
+
+    plan: Plan
+    run_prefill: bool
+    chunk_budget: int = 0
+    keep: Optional[int] = None
+    cap: Optional[int] = None
+    mix_decode: bool = True
+    head: Optional[str] = None
+
+
+@dataclass
+class RoundPlanner:
+    """The serial budget's state in one scheduler (server process or simulated rank)."""
+
+    cfg: BudgetConfig
+    book: DeadlineBook = None
+    since_slice: int = 0  # rounds with decode and no slice since the last slice (capped)
+    slice_overshoot: bool = False  # the last shared round took longer than its budget
+    last_plan: Optional[Plan] = None
+    rounds: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.book is None:
+            self.book = DeadlineBook(self.cfg)
+        self.since_slice = self.cfg.pace_every  # a fresh scheduler has no slice to space from
+
+    def decide(
+        self,
+        model,
+        now: float,
+        decode_ctx: Sequence[int],
+        queue: Iterable[tuple[str, int]],
+        inflight: Optional[str],
+        error: Optional[float] = None,
+    ) -> Optional[Decision]:
+        """Plan the round. ``queue``: (rid, prompt tokens done) of the in-flight request and
+        every waiting one; prefills no longer queued leave the book (aborted). ``error``: the
+        cost model's recent relative error (raises the deadline margin). ``None``: nothing to
+        prefill; the scheduler runs as upstream does."""
+        book = self.book
+        present = dict(queue)
+        for rid in [r for r in book.live if r not in present]:
+            book.drop(rid)
+        for rid, done in present.items():
+            book.progress(rid, done)
+        plan = budget_mod.plan_round(
+            model,
+            budget_mod.with_margin(self.cfg, error),
+            now,
+            decode_ctx,
+            book.pending(present),
+            inflight=inflight,
+            since_slice=self.since_slice if decode_ctx else None,
+            slice_overshoots=self.slice_overshoot,
+        )
+        self.last_plan = plan
+        self.since_slice = budget_mod.next_since_slice(
+            self.since_slice, plan, bool(decode_ctx), self.cfg
+        )
+        if plan.rid is None:
+            return None
+        self.rounds[plan.mode] = self.rounds.get(plan.mode, 0) + 1
+        if plan.mode == "pace":
+            return Decision(plan, run_prefill=False)
+        chunk, keep, cap = round_tokens(plan, self.cfg.max_slice, inflight is not None)
+        head = plan.rid if inflight is None else None
+        return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
+
+    def observed(self, seconds: float, slices: bool, decode: bool) -> None:
+        """A round ran in ``seconds``: a shared round (slices and decode) that overshot its
+        budget turns pacing on even where the model predicted the slice fits."""
+        plan = self.last_plan
+        if plan is not None and plan.mode == "share" and slices and decode:
+            self.slice_overshoot = seconds > plan.budget_s

@@ -1,0 +1,174 @@
+"""One round's decision: short requests enter beside a long in-flight prefill, which keeps its
+share; the serial budget's plan becomes SGLang's per-round inputs; the planner keeps its book."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_kda.policy.budget import BudgetConfig, Plan
+from sglang_kda.policy.cost_model import Coefficients, CostModel
+from sglang_kda.policy.grid import aligned_chunk_len
+from sglang_kda.policy.round import (
+    RoundPlanner,
+    default_keep,
+    make_room,
+    round_tokens,
+)
+
+GRID = 64
+MODEL = CostModel(
+    Coefficients(overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_prefill_round=1e-3),
+    kda_layers=3,
+    mla_layers=1,
+)
+
+
+def test_nothing_waiting_leaves_upstreams_behaviour():
+    assert make_room(256, 0, 24_000, [], GRID).limit is None
+
+
+def test_short_requests_get_room_and_the_long_prompt_the_rest():
+    room = make_room(256, 1024, 22_000, [80, 40, 80], GRID)
+    assert room.admitted == (0, 1) and room.reserved == 120  # the third waits: keep is 128
+    assert room.limit == 136
+    # the long prompt's cut still ends on the grid
+    assert aligned_chunk_len(1024, room.limit, 22_000, GRID) == 128
+
+
+def test_the_long_prompt_keeps_half_the_round():
+    room = make_room(256, 0, 24_000, [100, 100, 100, 100], GRID)
+    assert room.admitted == (0,) and room.limit == 156  # 100 of the 128 the long prompt gives
+
+
+def test_a_request_that_does_not_fit_whole_is_passed_over_not_cut():
+    room = make_room(256, 0, 24_000, [5_000, 60, 7_000, 40], GRID)
+    assert room.admitted == (1, 3) and room.reserved == 100
+
+
+def test_only_requests_shorter_than_what_the_long_prompt_has_left():
+    # shortest remaining work first: 100 tokens left beats a 120-token newcomer
+    assert make_room(256, 6_000, 100, [120], GRID).limit is None
+    assert make_room(256, 6_000, 100, [90], GRID).admitted == (0,)
+
+
+def test_pages_are_charged_whole():
+    room = make_room(512, 0, 24_000, [65, 65], 128, page_size=128)
+    assert room.reserved == 256 and room.limit == 256
+
+
+def test_keep_and_cap_of_the_serial_budget():
+    # share: the in-flight request takes exactly its planned slice; shorts fill the rest
+    room = make_room(256, 640, 10_000, [], GRID, keep=64, cap=64)
+    assert room.limit == 64
+    room = make_room(256, 640, 10_000, [150], GRID, keep=64, cap=64)
+    assert room.limit == 64 and room.admitted == (0,)
+    # alone (deadline at risk): nothing gets room
+    room = make_room(256, 640, 10_000, [10], GRID, keep=256, cap=256)
+    assert room.limit is None and room.admitted == ()
+
+
+@settings(max_examples=400)
+@given(
+    budget=st.integers(1, 8192),
+    done=st.integers(0, 100_000),
+    remaining=st.integers(1, 100_000),
+    works=st.lists(st.integers(1, 10_000), max_size=8),
+    grid_exp=st.integers(0, 3),
+)
+def test_room_invariants(budget, done, remaining, works, grid_exp):
+    grid = GRID * 2**grid_exp
+    room = make_room(budget, done, remaining, works, grid)
+    keep = default_keep(budget, done, remaining, grid)
+    if room.limit is None:
+        assert room.admitted == ()
+        return
+    # the long prompt keeps its share and makes progress; the room covers the admitted
+    assert keep <= room.limit <= budget
+    assert room.reserved == sum(works[i] for i in room.admitted)
+    assert room.limit + room.reserved <= budget
+    assert all(works[i] < remaining for i in room.admitted)
+    # progress: the in-flight cut reaches the next grid point (or the end of the prompt)
+    take = aligned_chunk_len(done, room.limit, remaining, grid)
+    assert take >= min((done // grid + 1) * grid - done, remaining)
+
+
+def test_default_keep():
+    assert default_keep(256, 0, 24_000, 64) == 128
+    assert default_keep(64, 0, 24_000, 64) == 64  # at least one grid step
+    assert default_keep(256, 150, 24_000, 64) == 128
+    assert default_keep(100, 150, 24_000, 64) == 42  # up to the next grid point
+    assert default_keep(256, 0, 30, 64) == 128
+
+
+@pytest.mark.parametrize(
+    ("mode", "tokens", "inflight", "expected"),
+    [
+        ("share", 64, True, (4096, 64, 64)),
+        ("grow", 512, True, (4096, 512, 512)),
+        ("burst", 192, True, (4096, 192, 192)),
+        ("prefill_only", 4096, True, (4096, None, 4096)),
+        ("alone", 4096, True, (4096, 4096, 4096)),
+        ("share", 64, False, (64, None, 64)),
+    ],
+)
+def test_round_tokens(mode, tokens, inflight, expected):
+    plan = Plan(mode, "r", tokens, mode != "alone", 0.02, 0.02)
+    assert round_tokens(plan, 4096, inflight) == expected
+
+
+def test_planner_keeps_the_book_in_step_with_the_queue():
+    cfg = BudgetConfig(grid=GRID, max_slice=256, ttft_deadline_s=10.0)
+    planner = RoundPlanner(cfg)
+    planner.book.admit(MODEL, "long", 0.0, 6000)
+    planner.book.admit(MODEL, "gone", 0.0, 100)
+    dec = planner.decide(MODEL, 0.1, [], [("long", 0)], inflight=None)
+    assert "gone" not in planner.book.live  # aborted: left the queue, left the book
+    assert dec.head == "long" and dec.run_prefill and dec.plan.mode == "prefill_only"
+    planner.book.admit(MODEL, "short", 0.2, 80)
+    dec = planner.decide(MODEL, 0.3, [30], [("long", 256), ("short", 0)], inflight="long")
+    assert planner.book.live["long"].done == 256
+    assert dec.head is None and dec.chunk_budget == 256 and dec.cap == dec.keep
+    assert dec.plan.rid == "long"
+    assert (
+        planner.rounds == {"prefill_only": 1, dec.plan.mode: 1} or sum(planner.rounds.values()) == 2
+    )
+    assert planner.decide(MODEL, 0.4, [30], [], inflight=None) is None
+
+
+# -- the simulator runs the same decision ---------------------------------------------------------
+
+
+def _sim(policy, **kw):
+    from sglang_kda.sim import trace as T
+    from sglang_kda.sim.costs import cpu_model
+    from sglang_kda.sim.engine import SimConfig, simulate
+
+    cost = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))
+    tr = T.short_behind_long(long_prompt=6000, shorts=4, first_short_s=0.03, gap_s=0.03)
+    cfg = SimConfig(policy=policy, chunked_prefill_size=256, integrity=True, **kw)
+    res = simulate(tr, cfg, cost, record_rounds=True)
+    assert not res.unfinished
+    by = {r.rid: r for r in res.requests}
+    return by["long"], [by[f"short{i}"] for i in range(4)], res.ranks[0]
+
+
+@pytest.mark.parametrize("budget", [None, BudgetConfig(grid=GRID, max_slice=256)])
+def test_short_prompts_do_not_wait_for_the_long_prefill_in_the_simulator(budget):
+    long_s, shorts_s, _ = _sim("stock")
+    long_k, shorts_k, rank = _sim("kda", budget=budget)
+    # stock: every short prompt waits for the whole long prefill
+    assert all(s.token_times[0] >= long_s.token_times[0] for s in shorts_s)
+    # kda: every short prompt answers within a few rounds, before the long prompt
+    assert all(s.token_times[0] < long_k.token_times[0] for s in shorts_k)
+    assert max(s.ttft for s in shorts_k) < 0.1 * long_k.ttft
+    if budget is None:  # the long prompt pays a few rounds
+        assert long_k.ttft <= 1.15 * long_s.ttft
+    else:  # the budget lets decode ride along: the long prompt keeps its deadline
+        assert rank.book.stats.missed == 0 and rank.book.stats.met == 5
+    assert rank.rounds_made_room >= 4
+    # one unfinished chunked request per round, every round
+    for rd in rank.rounds:
+        assert len(rd.slices) <= 5
+    assert long_k.computed == 6000 and all(s.computed == 80 for s in shorts_k)
