@@ -34,7 +34,6 @@ p99, both policies on one plot). One command::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -44,100 +43,80 @@ from pathlib import Path
 
 import requests
 
+from sglang_kda.harness import (
+    CorpusTokens,
+    Server,
+    StreamResult,
+    launch,
+    percentile,
+    pyplot,
+    read_csv,
+    save_png,
+    stream_generate_sync,
+    tiny_model_dir,
+    write_csv,
+)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from cache_side_by_side import Server, Tokens  # noqa: E402
-
 OUT = HERE / "results" / "budget"
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+# Every time in this script is time.perf_counter(), the harness's clock (streams' events).
 
 
 class Stream(threading.Thread):
-    """One streaming greedy decode; records (time, tokens so far) for every chunk."""
+    """One streaming greedy decode in a thread; ``result.events`` fills as chunks arrive."""
 
     def __init__(self, url: str, prompt: list[int], max_new: int) -> None:
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_new = url, prompt, max_new
-        self.events: list[tuple[float, int]] = []
+        self.result = StreamResult()
         self.stop = threading.Event()
-        self.error = None
+        self.error: Exception | None = None
 
     def run(self) -> None:
-        body = {
-            "input_ids": self.prompt,
-            "sampling_params": {
-                "max_new_tokens": self.max_new,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            "stream": True,
-        }
         try:
-            with requests.post(self.url + "/generate", json=body, stream=True, timeout=600) as r:
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        break
-                    if not line.startswith(b"data:") or line.endswith(b"[DONE]"):
-                        continue
-                    n = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                    self.events.append((time.monotonic(), n))
-        except requests.RequestException as e:  # closed by us, or the server went away
+            stream_generate_sync(
+                self.url, self.prompt, self.max_new, result=self.result, stop=self.stop
+            )
+        except (requests.RequestException, RuntimeError) as e:  # closed by us, or server gone
             if not self.stop.is_set():
                 self.error = e
 
     def itls(self, t0: float, t1: float) -> list[float]:
         """Per-token gaps (seconds) of chunks arriving in [t0, t1]."""
-        out = []
-        for (ta, na), (tb, nb) in zip(self.events, self.events[1:], strict=False):
-            if t0 <= tb <= t1 and nb > na:
-                out.extend([(tb - ta) / (nb - na)] * (nb - na))
-        return out
+        return self.result.itls(t0, t1)
 
 
 def long_request(url: str, prompt: list[int], deadline_ms: float | None) -> dict:
     sp = {"max_new_tokens": 1, "temperature": 0}
     if deadline_ms is not None:
         sp["custom_params"] = {"ttft_deadline_ms": deadline_ms}
-    t0 = time.monotonic()
+    t0 = time.perf_counter()
     r = requests.post(
         url + "/generate", json={"input_ids": prompt, "sampling_params": sp}, timeout=900
     )
-    t1 = time.monotonic()
+    t1 = time.perf_counter()
     r.raise_for_status()
     return {"t0": t0, "t1": t1, "ttft_s": t1 - t0, "cached": r.json()["meta_info"]["cached_tokens"]}
 
 
-def flush(url: str) -> None:
-    for _ in range(120):
-        if requests.post(url + "/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(0.5)
-
-
-def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) -> dict:
+def run_case(server: Server, tokens: CorpusTokens, args, deadline_ms: float | None) -> dict:
     """Decode streams, a decode-only window, then the long prompt; ITLs during its prefill."""
-    flush(server.url)
+    server.flush_cache()
     streams = [Stream(server.url, tokens.take(64), 100_000) for _ in range(args.streams)]
     for s in streams:
         s.start()
-    t_wait = time.monotonic() + 120
-    while time.monotonic() < t_wait and not all(len(s.events) > 5 for s in streams):
+    t_wait = time.perf_counter() + 120
+    while time.perf_counter() < t_wait and not all(len(s.result.events) > 5 for s in streams):
         time.sleep(0.1)
-    base0 = time.monotonic()
+    base0 = time.perf_counter()
     time.sleep(args.baseline_s)
-    base1 = time.monotonic()
+    base1 = time.perf_counter()
     res = long_request(server.url, tokens.take(args.long), deadline_ms)
     # A second decode-only window after the prompt: the streams' contexts have grown meanwhile
     # (the more, the longer the prefill took), and a decode step costs more at longer context.
     after0 = res["t1"] + 0.5
     time.sleep(0.5 + args.baseline_s)
-    after1 = time.monotonic()
+    after1 = time.perf_counter()
     for s in streams:
         s.stop.set()
     base = [x for s in streams for x in s.itls(base0, base1)]
@@ -152,27 +131,20 @@ def run_case(server: Server, tokens: Tokens, args, deadline_ms: float | None) ->
         "ttft_s": res["ttft_s"],
         "deadline_ms": deadline_ms,
         "deadline_met": None if deadline_ms is None else res["ttft_s"] * 1e3 <= deadline_ms,
-        "itl_base_p50_ms": 1e3 * pct(base, 50),
-        "itl_base_p99_ms": 1e3 * pct(base, 99),
-        "itl_after_p50_ms": 1e3 * pct(after, 50),
-        "itl_after_p99_ms": 1e3 * pct(after, 99),
-        "itl_p50_ms": 1e3 * pct(during, 50),
-        "itl_p99_ms": 1e3 * pct(during, 99),
+        "itl_base_p50_ms": 1e3 * percentile(base, 50),
+        "itl_base_p99_ms": 1e3 * percentile(base, 99),
+        "itl_after_p50_ms": 1e3 * percentile(after, 50),
+        "itl_after_p99_ms": 1e3 * percentile(after, 99),
+        "itl_p50_ms": 1e3 * percentile(during, 50),
+        "itl_p99_ms": 1e3 * percentile(during, 99),
         "itl_max_ms": 1e3 * gap,
         "decode_tokens_during": len(during),
     }
 
 
-def alone_time(server: Server, tokens: Tokens, args) -> float:
-    flush(server.url)
+def alone_time(server: Server, tokens: CorpusTokens, args) -> float:
+    server.flush_cache()
     return long_request(server.url, tokens.take(args.long), None)["ttft_s"]
-
-
-def _num(v: str):
-    try:
-        return float(v)
-    except ValueError:
-        return v
 
 
 def experiment_slices(args, model: str) -> list[dict]:
@@ -183,10 +155,7 @@ def experiment_slices(args, model: str) -> list[dict]:
         for c in args.stock_chunks
     ]
     if args.keep_stock:
-        with open(OUT / "slices.csv") as f:
-            for r in csv.DictReader(f):
-                if r["policy"] == "stock":
-                    rows.append({k: _num(v) for k, v in r.items()})
+        rows += [r for r in read_csv(OUT / "slices.csv") if r["policy"] == "stock"]
         configs = []
     else:
         configs.append(
@@ -214,9 +183,15 @@ def experiment_slices(args, model: str) -> list[dict]:
     log_dir = OUT / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for label, policy, extra, deadline in configs:
-        tokens = Tokens(model, args.seed)
+        tokens = CorpusTokens(model, args.seed)
         chunk = [] if "--chunked-prefill-size" in extra else ["--chunked-prefill-size", "4096"]
-        server = Server(model, policy, [*common, *chunk, *extra], log_dir / f"{label}.log")
+        server = launch(
+            model,
+            policy=policy,
+            extra=[*common, *chunk, *extra],
+            log=log_dir / f"{label}.log",
+            name=label,
+        )
         try:
             # Warm up (and let the serial policy's cost model see prefill and decode steps).
             alone = min(alone_time(server, tokens, args) for _ in range(args.warmup))
@@ -255,11 +230,17 @@ def experiment_cuts(args, model: str) -> list[dict]:
         ("aligned (kda)", "kda", ["--chunked-prefill-size", str(args.odd_chunk)]),
         ("arbitrary (stock)", "stock", ["--chunked-prefill-size", str(args.odd_chunk)]),
     ):
-        tokens = Tokens(model, args.seed + 1)
-        server = Server(model, policy, ["--enable-metrics", *extra], log_dir / f"cuts {label}.log")
+        tokens = CorpusTokens(model, args.seed + 1)
+        server = launch(
+            model,
+            policy=policy,
+            extra=["--enable-metrics", *extra],
+            log=log_dir / f"cuts {label}.log",
+            name=label,
+        )
         try:
             alone_time(server, tokens, args)  # warm-up
-            flush(server.url)
+            server.flush_cache()
             first = tokens.take(args.long)
             cut = args.long - 37  # off grid
             second = first[:cut] + tokens.take(200)
@@ -289,21 +270,8 @@ def experiment_cuts(args, model: str) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], path: Path) -> None:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, ax = pyplot().subplots(1, 2, figsize=(11, 4.2))
     for r in rows:
         color = "tab:red" if r["policy"] == "stock" else "tab:blue"
         marker = "s" if "mixed" in r["config"] else ("o" if r["policy"] == "stock" else "^")
@@ -320,8 +288,7 @@ def plot(rows: list[dict], path: Path) -> None:
         a.grid(alpha=0.3)
     ax[0].legend(fontsize=7)
     fig.suptitle("stock (red; squares: --enable-mixed-chunk) vs --kda-budget serial (blue)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 def main() -> int:
@@ -353,14 +320,14 @@ def main() -> int:
     if args.quick:
         args.stock_chunks = args.stock_chunks[-2:]
         args.itl_targets = args.itl_targets[:1]
-    model = args.model or str(HERE.parent / "models" / "tiny-kimi-linear")
+    model = args.model or str(tiny_model_dir())
     OUT.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "slices"):
         rows = experiment_slices(args, model)
-        write(rows, OUT / "slices.csv")
+        write_csv(OUT / "slices.csv", rows)
         plot(rows, OUT / "slices.png")
     if args.only in (None, "cuts"):
-        write(experiment_cuts(args, model), OUT / "cuts.csv")
+        write_csv(OUT / "cuts.csv", experiment_cuts(args, model))
     return 0
 
 

@@ -53,25 +53,34 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
 
-from sglang_kda.process import stop_process_group
+from sglang_kda.harness import (
+    CorpusTokens,
+    Server,
+    StreamResult,
+    launch,
+    percentile,
+    pyplot,
+    read_csv,
+    save_png,
+    stream_generate,
+    tiny_model_dir,
+    write_csv,
+)
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
 REPO = Path(__file__).resolve().parents[1]
-GRID = 64
 WORKLOADS = ("gsp", "multiturn", "burst", "diverge", "repeat")
 BASE_COLUMNS = (
     "workload",
@@ -102,105 +111,7 @@ RATIO_COLUMNS = (
 )
 
 
-# --- Server ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m sglang_kda.launch_server`` in its own process group."""
-
-    def __init__(self, model: str, policy: str, extra: list[str], log: Path) -> None:
-        self.policy = policy
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [
-            sys.executable, "-m", "sglang_kda.launch_server", "--model-path", model,
-            "--port", str(self.port), "--kda-policy", policy, *extra,
-        ]  # fmt: skip
-        env = dict(os.environ)
-        env.pop("SGLANG_USE_CPU_ENGINE", None)  # the launcher decides
-        self._fh = open(log, "wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_ready(self, timeout_s: float = 600) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.policy} server exited; see {self.log}")
-            try:
-                if requests.get(self.url + "/health_generate", timeout=30).ok:
-                    print(f"[{self.policy}] ready in {time.monotonic() - t0:.0f}s", flush=True)
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"{self.policy} server not ready; see {self.log}")
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace_s=60)
-        self._fh.close()
-
-    def flush_cache(self, timeout_s: float = 120) -> None:
-        """``/flush_cache`` refuses while requests run; retried until it answers 200."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                r = requests.post(self.url + "/flush_cache", timeout=60)
-                if r.status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"[{self.policy}] /flush_cache refused for {timeout_s}s")
-            time.sleep(0.5)
-
-    def metrics(self) -> dict[str, float]:
-        try:
-            r = requests.get(self.url + "/metrics", timeout=30)
-        except requests.RequestException:
-            return {}
-        return parse_metrics(r.text) if r.ok else {}
-
-    def kda_report(self) -> dict:
-        try:
-            info = requests.get(self.url + "/server_info", timeout=30).json()
-            return info["internal_states"][0].get("sglang_kda", {})
-        except (requests.RequestException, KeyError, IndexError, ValueError):
-            return {}
-
-
 # --- Metrics ---------------------------------------------------------------------------------
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value summed over label sets}; histogram buckets and
-    ``_created`` timestamps are dropped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0].strip()
-        if not name or name.endswith("_bucket") or name.endswith("_created"):
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def is_counter(name: str) -> bool:
@@ -231,66 +142,8 @@ def metric_columns(before: dict[str, float], after: dict[str, float]) -> dict[st
 # --- Client ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float
-    latency_s: float
-    output_ids: list[int] = field(default_factory=list)
-
-
-async def generate(session, url: str, input_ids: list[int], max_new_tokens: int) -> Result:
-    payload = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    ttft = None
-    last: dict = {}
-    collected: list[int] = []
-    async with session.post(url + "/generate", json=payload) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"/generate answered {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = chunk
-            collected.extend(chunk.get("output_ids", []))
-    latency = time.perf_counter() - t0
-    meta = last.get("meta_info", {})
-    n_out = meta.get("completion_tokens", 0)
-    ids = last.get("output_ids", [])
-    if len(ids) != n_out:  # incremental streaming: chunks carry deltas
-        ids = collected[-n_out:] if n_out else []
-    return Result(
-        prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
-        cached_tokens=int(meta.get("cached_tokens", 0)),
-        ttft_s=ttft if ttft is not None else latency,
-        latency_s=latency,
-        output_ids=list(ids),
-    )
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def summarize(results: list[Result], duration: float) -> dict[str, float]:
-    ttfts = [r.ttft_s * 1000 for r in results]
+def summarize(results: list[StreamResult], duration: float) -> dict[str, float]:
+    ttfts = [r.ttft * 1000 for r in results]
     prompt = sum(r.prompt_tokens for r in results)
     cached = sum(r.cached_tokens for r in results)
     out_tokens = sum(len(r.output_ids) for r in results)
@@ -311,24 +164,6 @@ def summarize(results: list[Result], duration: float) -> dict[str, float]:
 
 
 # --- Workloads -------------------------------------------------------------------------------
-
-
-class Tokens:
-    """A deterministic stream of natural-looking token ids (the tiny model's own corpus), so
-    prompts are in-vocabulary for any model using this tokenizer."""
-
-    def __init__(self, model: str, seed: int) -> None:
-        from tokenizers import Tokenizer
-
-        from sglang_kda.tiny_model import corpus_text
-
-        tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-        self.ids = tok.encode(corpus_text()).ids
-        self.rng = random.Random(seed)
-
-    def take(self, n: int) -> list[int]:
-        start = self.rng.randrange(0, len(self.ids) - n)
-        return list(self.ids[start : start + n])
 
 
 def sizes(quick: bool, scale: int = 1) -> dict:
@@ -376,20 +211,20 @@ def off_grid(rng: random.Random, lo: int, hi: int) -> int:
 async def run_client_workload(name: str, url: str, cfg: dict, seed: int, model: str):
     import aiohttp
 
-    toks = Tokens(model, seed)
+    toks = CorpusTokens(model, seed)
     rng = random.Random(seed + 1)
     new = cfg["new_tokens"]
-    results: list[Result] = []
+    results: list[StreamResult] = []
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
         if name == "multiturn":
 
-            async def conversation() -> list[Result]:
+            async def conversation() -> list[StreamResult]:
                 prompt = toks.take(cfg["mt_system"]) + toks.take(rng.randint(*cfg["mt_user"]))
                 out = []
                 for _ in range(cfg["mt_turns"]):
-                    r = await generate(session, url, prompt, new)
+                    r = await stream_generate(session, url, prompt, new)
                     out.append(r)
                     prompt = prompt + r.output_ids + toks.take(rng.randint(*cfg["mt_user"]))
                 return out
@@ -403,23 +238,25 @@ async def run_client_workload(name: str, url: str, cfg: dict, seed: int, model: 
                     prefix + toks.take(rng.randint(*cfg["burst_tail"]))
                     for _ in range(cfg["burst_size"])
                 ]
-                results += await asyncio.gather(*(generate(session, url, p, new) for p in prompts))
+                results += await asyncio.gather(
+                    *(stream_generate(session, url, p, new) for p in prompts)
+                )
         elif name == "diverge":
             for _ in range(cfg["div_bases"]):
                 base = toks.take(cfg["div_base"])
                 # Priming: both policies compute the base whole; only the divergent requests
                 # that follow are measured.
-                await generate(session, url, base, new)
+                await stream_generate(session, url, base, new)
                 for _ in range(cfg["div_requests"]):
                     lo, hi = cfg["div_window"]
                     n = off_grid(rng, lo, min(hi, len(base) - 1))
                     prompt = base[:n] + toks.take(rng.randint(*cfg["div_tail"]))
-                    results.append(await generate(session, url, prompt, new))
+                    results.append(await stream_generate(session, url, prompt, new))
         elif name == "repeat":
             for n in cfg["rep_lens"]:
                 prompt = toks.take(n)
                 for _ in range(2):
-                    results.append(await generate(session, url, prompt, new))
+                    results.append(await stream_generate(session, url, prompt, new))
         else:
             raise ValueError(name)
         duration = time.perf_counter() - t0
@@ -467,7 +304,7 @@ def run_gsp(url: str, cfg: dict, seed: int, model: str, tmp: Path, label: str) -
 
 def warm_up(url: str, model: str) -> None:
     """One short request so the first measured request does not pay one-time costs."""
-    ids = Tokens(model, 12345).take(100)
+    ids = CorpusTokens(model, 12345).take(100)
     payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
     requests.post(url + "/generate", json=payload, timeout=600).raise_for_status()
 
@@ -476,7 +313,13 @@ def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) 
     extra = ["--enable-metrics"]
     if args.chunked_prefill_size:
         extra += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
-    server = Server(model, policy, [*extra, *args.server_args], tmp / f"{label}.log")
+    server = launch(
+        model,
+        policy=policy,
+        extra=[*extra, *args.server_args],
+        log=tmp / f"{label}.log",
+        name=label,
+    )
     rows = []
     try:
         warm_up(server.url, model)
@@ -501,7 +344,7 @@ def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) 
                 f"({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
-        report = server.kda_report()
+        report = kda_report_or_none(server)
         if report:
             (tmp / f"{label}-server_info.json").write_text(json.dumps(report, indent=1))
     finally:
@@ -510,6 +353,14 @@ def run_policy(policy: str, label: str, model: str, args, cfg: dict, tmp: Path) 
 
 
 # --- Output ----------------------------------------------------------------------------------
+
+
+def kda_report_or_none(server: Server) -> dict | None:
+    """The server's ``sglang_kda`` report; None (and the run goes on) if it cannot be read."""
+    try:
+        return server.kda_report()
+    except (requests.RequestException, KeyError, IndexError, ValueError):
+        return None
 
 
 def fmt(v) -> str:
@@ -521,14 +372,9 @@ def fmt(v) -> str:
 def write_csvs(rows: list[dict], out_dir: Path) -> list[str]:
     extra = sorted({k for r in rows for k in r} - set(BASE_COLUMNS) - {"prompt_tokens_metrics"})
     columns = [*BASE_COLUMNS, "prompt_tokens_metrics", *extra]
-    for path, subset in [(out_dir / "summary.csv", rows)] + [
-        (out_dir / f"{r['workload']}_{r['policy']}.csv", [r]) for r in rows
-    ]:
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=columns, restval="")
-            w.writeheader()
-            for r in subset:
-                w.writerow({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+    write_csv(out_dir / "summary.csv", rows, columns, digits=3)
+    for r in rows:
+        write_csv(out_dir / f"{r['workload']}_{r['policy']}.csv", [r], columns, digits=3)
     return columns
 
 
@@ -553,11 +399,7 @@ def ratio_table(rows: list[dict], base: str, other: str) -> str:
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     by = {(r["workload"], r["policy"]): r for r in rows}
@@ -575,26 +417,12 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set_ylabel(metric)
         ax.set_title(f"{metric} per workload")
         ax.legend()
-        fig.tight_layout()
-        path = out_dir / f"{metric}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_png(fig, out_dir / f"{metric}.png", dpi=100))
     return paths
 
 
 def render_only(out_dir: Path) -> int:
-    def num(v: str):
-        try:
-            return int(v)
-        except ValueError:
-            try:
-                return float(v)
-            except ValueError:
-                return v
-
-    with open(out_dir / "summary.csv", newline="") as f:
-        rows = [{k: num(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    rows = read_csv(out_dir / "summary.csv", drop_empty=True)
     write_csvs(rows, out_dir)
     labels = list(dict.fromkeys(r["policy"] for r in rows))
     table = "\n\n".join(ratio_table(rows, labels[0], other) for other in labels[1:])
@@ -638,11 +466,7 @@ def main() -> int:
 
     import sglang_kda  # noqa: F401  (import guards, before anything imports sglang)
 
-    model = args.model
-    if model is None:
-        from sglang_kda.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(REPO / "models" / "tiny-kimi-linear"))
+    model = args.model or str(tiny_model_dir())
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-cache-bench-"))

@@ -22,9 +22,7 @@ there). Output: ``benchmark/results/cpu_threads/threads.csv`` and a table.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
-import os
 import random
 import sys
 import threading
@@ -33,10 +31,9 @@ from pathlib import Path
 
 import requests
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from cache_side_by_side import Server  # noqa: E402
+from sglang_kda.harness import launch, percentile, stream_generate_sync, tiny_model_dir, write_csv
 
+HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "cpu_threads"
 
 
@@ -45,13 +42,12 @@ def _busy() -> None:
         pass
 
 
-def generate(url: str, ids: list[int], n: int, stream: bool = False):
+def generate(url: str, ids: list[int], n: int) -> requests.Response:
     payload = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        "stream": stream,
     }
-    return requests.post(url + "/generate", json=payload, stream=stream, timeout=1800)
+    return requests.post(url + "/generate", json=payload, timeout=1800)
 
 
 def warm_up(url: str, rng: random.Random) -> None:
@@ -70,15 +66,7 @@ def decode_itl(url: str, rng: random.Random, streams: int = 4, new: int = 300) -
     prompts = [[rng.randrange(8, 1024) for _ in range(200)] for _ in range(streams)]
 
     def one(ids: list[int]) -> None:
-        last = None
-        mine = []
-        for line in generate(url, ids, new, stream=True).iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            now = time.perf_counter()
-            if last is not None:
-                mine.append(now - last)
-            last = now
+        mine = stream_generate_sync(url, ids, new, timeout=1800).itls()
         with lock:
             gaps.extend(mine)
 
@@ -88,20 +76,8 @@ def decode_itl(url: str, rng: random.Random, streams: int = 4, new: int = 300) -
     return sorted(gaps)
 
 
-def q(xs: list[float], f: float) -> float:
-    return xs[min(len(xs) - 1, int(f * (len(xs) - 1)))] * 1e3 if xs else float("nan")
-
-
 def measure(model: str, threads: int, args, log: Path) -> dict:
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        server = Server(model, "kda", [], log)
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+    server = launch(model, policy="kda", log=log, env={"OMP_NUM_THREADS": str(threads)})
     rng = random.Random(threads)
     busy = []
     try:
@@ -122,10 +98,10 @@ def measure(model: str, threads: int, args, log: Path) -> dict:
     return {
         "threads": threads,
         "load": args.load,
-        "itl_p50_ms": q(gaps, 0.5),
-        "itl_p90_ms": q(gaps, 0.9),
-        "itl_p99_ms": q(gaps, 0.99),
-        "itl_max_ms": q(gaps, 1.0),
+        "itl_p50_ms": percentile(gaps, 50) * 1e3,
+        "itl_p90_ms": percentile(gaps, 90) * 1e3,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "itl_max_ms": percentile(gaps, 100) * 1e3,
         "decode_wall_s": decode_s,
         "prefill_tokens": args.prefill_tokens,
         "prefill_s": prefill_s,
@@ -141,9 +117,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    from sglang_kda.tiny_model import build_tiny_model
-
-    model = args.model or str(build_tiny_model(HERE.parent / "models" / "tiny-kimi-linear"))
+    model = args.model or str(tiny_model_dir())
     args.out.mkdir(parents=True, exist_ok=True)
     import tempfile
 
@@ -162,10 +136,7 @@ def main() -> int:
                 flush=True,
             )
     path = args.out / f"threads_load{args.load}.csv"
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(path, rows)
     print(f"wrote {path}")
     return 0
 

@@ -27,9 +27,7 @@ per-round fixed cost and the per-token slope against prefix length. ``rss.csv``:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
 import random
 import sys
 import threading
@@ -38,16 +36,13 @@ from pathlib import Path
 
 import requests
 
+from sglang_kda.cpu.mla_attention import flops as mla_flops
+from sglang_kda.harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
+from sglang_kda.cpu.mla_route import TRACE_ENV
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as KDA_CHUNK  # the torch KDA kernel's chunk
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from serving_side_by_side import start_server, stop_server  # noqa: E402
-
-from sglang_kda.cpu.mla_attention import flops as mla_flops  # noqa: E402
-from sglang_kda.patches.mla_extend_cpu import TRACE_ENV  # noqa: E402
-
 OUT = HERE / "results" / "long_prompt"
-KDA_CHUNK = 64  # the torch KDA kernel's chunk
 
 
 def kda_flops(tokens: int, heads: int, k: int, v: int, c: int = KDA_CHUNK) -> float:
@@ -75,7 +70,6 @@ def time_kda(chunks: list[int], shapes: dict, reps: int = 3) -> list[dict]:
     """Time the CPU KDA kernel on one chunk of each size (with an initial state, as mid-prompt)."""
     import torch
 
-    sys.path.insert(0, str(REPO))
     from sglang_kda.kernels.kda_torch import chunk_kda_torch
 
     h, d = shapes["kda_heads"], shapes["kda_dim"]
@@ -219,19 +213,18 @@ def run_server_case(args, model_dir: Path, policy: str, chunk: int, shapes: dict
     raw = args.raw_dir
     trace = raw / f"trace_{policy}_{chunk}.jsonl"
     trace.unlink(missing_ok=True)
-    os.environ[TRACE_ENV] = str(trace)
     log = raw / f"server_{policy}_{chunk}.log"
     extra = ["--chunked-prefill-size", str(chunk), *args.server_args]
-    proc, port = start_server(str(model_dir), policy, extra, log)
+    server = launch(model_dir, policy=policy, extra=extra, log=log, env={TRACE_ENV: str(trace)})
     chunk_rows, prompt_rows = [], []
     sampler = None
     try:
-        sched = scheduler_process(proc.pid)
+        sched = scheduler_process(server.proc.pid)
         sampler = RSSSampler(sched)
         sampler.start()
         time.sleep(2.0)
         idle = sched.memory_info().rss / 2**20
-        url = f"http://127.0.0.1:{port}"
+        url = server.url
         # One unmeasured prompt of one chunk first: a fresh server's first full-size forward
         # pays one-time costs (first touch of the large activation buffers; seen up to 5 s).
         warm = [random.Random(-1).randrange(8, 1024) for _ in range(min(chunk, 4096))]
@@ -243,7 +236,7 @@ def run_server_case(args, model_dir: Path, policy: str, chunk: int, shapes: dict
         for n in args.lengths:
             rng = random.Random(n)
             ids = [rng.randrange(8, 1024) for _ in range(n)]
-            requests.post(url + "/flush_cache", json={}, timeout=120)
+            server.flush_cache()
             sampler.label = f"{n}"
             cpu0 = sum(sched.cpu_times()[:2])
             t_send = time.time()
@@ -310,27 +303,18 @@ def run_server_case(args, model_dir: Path, policy: str, chunk: int, shapes: dict
     finally:
         if sampler is not None:
             sampler.stop()
-        stop_server(proc)
-        os.environ.pop(TRACE_ENV, None)
+        server.stop()
     return chunk_rows, prompt_rows, rss
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+def save(path: Path, rows: list[dict]) -> None:
+    """The rows as CSV; no file for no rows (a partial run keeps an earlier file)."""
+    if rows:
+        write_csv(path, rows)
 
 
 def plot(out: Path, chunks, prompts, rss, kda) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    fig, ax = pyplot().subplots(2, 2, figsize=(13, 9))
     longest = max((p["prompt_len"] for p in prompts), default=0)
 
     def k3(r):
@@ -379,22 +363,7 @@ def plot(out: Path, chunks, prompts, rss, kda) -> None:
     for a in ax.flat:
         a.legend(fontsize=7)
         a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "long_prompt.png", dpi=110)
-
-
-def read_csv(path: Path) -> list[dict]:
-    def conv(v: str):
-        try:
-            return int(v)
-        except ValueError:
-            try:
-                return float(v)
-            except ValueError:
-                return v
-
-    with open(path, newline="") as fh:
-        return [{k: conv(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+    save_png(fig, out / "long_prompt.png", dpi=110)
 
 
 def merge(out: Path) -> None:
@@ -411,7 +380,7 @@ def merge(out: Path) -> None:
         if r["chunk_size"] not in kda or r["kda_wall_s"] < kda[r["chunk_size"]]["kda_wall_s"]:
             kda[r["chunk_size"]] = r
     data["fits"] = all_fits(data["chunks"], data["prompts"])
-    write_csv(out / "fits.csv", data["fits"])
+    save(out / "fits.csv", data["fits"])
     plot(out, data["chunks"], data["prompts"], data["rss"], list(kda.values()))
     lines = [
         "| run | policy | chunk | prompt | status | TTFT s | scheduler CPU s | rounds | MLA s | "
@@ -477,12 +446,7 @@ def main() -> int:
         merge(args.out)
         return 0
 
-    if args.model_path:
-        model_dir = Path(args.model_path)
-    else:
-        from sglang_kda.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(REPO / "models" / "tiny-kimi-linear")
+    model_dir = Path(args.model_path) if args.model_path else tiny_model_dir()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.raw_dir is None:
@@ -502,12 +466,12 @@ def main() -> int:
             prompts += p
             rss += r
             # Written after every server, so an interrupted run keeps what it measured.
-            write_csv(out / f"chunks{tag}.csv", chunks)
-            write_csv(out / f"prompts{tag}.csv", prompts)
-            write_csv(out / f"rss{tag}.csv", rss)
-            write_csv(out / f"kda{tag}.csv", kda)
+            save(out / f"chunks{tag}.csv", chunks)
+            save(out / f"prompts{tag}.csv", prompts)
+            save(out / f"rss{tag}.csv", rss)
+            save(out / f"kda{tag}.csv", kda)
     fits = all_fits(chunks, prompts)
-    write_csv(out / f"fits{tag}.csv", fits)
+    save(out / f"fits{tag}.csv", fits)
     plot_path_tag = out / (f"long_prompt{tag}.png")
     plot(out, chunks, prompts, rss, kda)
     if tag:

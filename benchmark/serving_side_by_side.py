@@ -18,18 +18,13 @@ Example (the embedded tiny model on CPU)::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import requests
-
-from sglang_kda.process import stop_process_group
+from sglang_kda.harness import launch, tiny_model_dir, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = (
@@ -43,40 +38,6 @@ METRICS = (
     "p99_itl_ms",
     "mean_e2e_latency_ms",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(
-    model: str, policy: str, extra: list[str], log: Path
-) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "sglang_kda.launch_server", "--model-path", model,
-        "--port", str(port), "--kda-policy", policy, *extra,
-    ]  # fmt: skip
-    fh = open(log, "wb")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 600:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{policy} server exited; see {log}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health_generate", timeout=30).ok:
-                print(f"[{policy}] ready in {time.monotonic() - t0:.0f}s", flush=True)
-                return proc, port
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{policy} server not ready; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    stop_process_group(proc, grace_s=60)
 
 
 def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:
@@ -111,11 +72,7 @@ def main() -> int:
     parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
     args = parser.parse_args()
 
-    model = args.model
-    if model is None:
-        from sglang_kda.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(REPO / "models" / "tiny-kimi-linear"))
+    model = args.model or str(tiny_model_dir())
     out_csv = Path(args.out)
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-bench-"))
@@ -124,17 +81,12 @@ def main() -> int:
     for i, policy in enumerate(policies):
         # The same policy twice (e.g. "stock,stock") measures the run-to-run noise floor.
         label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
-        proc, port = start_server(model, policy, args.server_args, tmp / f"{label}.log")
-        try:
-            results[label] = run_bench(port, model, args, tmp / f"{label}.jsonl")
-        finally:
-            stop_server(proc)
+        log = tmp / f"{label}.log"
+        with launch(model, policy=policy, extra=args.server_args, log=log, name=label) as server:
+            results[label] = run_bench(server.port, model, args, tmp / f"{label}.jsonl")
 
-    with open(out_csv, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", *METRICS])
-        for policy, r in results.items():
-            w.writerow([policy, *(r.get(m) for m in METRICS)])
+    rows = [{"policy": p, **{m: r.get(m) for m in METRICS}} for p, r in results.items()]
+    write_csv(out_csv, rows, ["policy", *METRICS])
     print(f"\nwrote {out_csv} (server logs in {tmp})\n")
     names = list(results)
     print("| metric | " + " | ".join(names) + " | ratio " + "/".join(reversed(names)) + " |")

@@ -34,22 +34,21 @@ prefill tokens computed, TTFT p50/p99, stock vs this project.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import random
 import sys
 import time
 from pathlib import Path
 
+from sglang_kda import harness
+from sglang_kda.harness import percentile, pyplot, save_png
+from sglang_kda.policy.budget import BudgetConfig
+from sglang_kda.sim import trace as T
+from sglang_kda.sim.costs import KimiLinearH200
+from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.metrics import summarize
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from sglang_kda.policy.budget import BudgetConfig  # noqa: E402
-from sglang_kda.sim import trace as T  # noqa: E402
-from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402
-from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
-from sglang_kda.sim.metrics import percentile, summarize  # noqa: E402
-
 OUT = REPO / "benchmark" / "results" / "sim"
 PAGE = 64
 LONG = 1 << 20
@@ -62,11 +61,7 @@ LONG_AT = 20.0
 def write_csv(name: str, rows: list[dict]) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.csv"
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=keys)
-        wr.writeheader()
-        wr.writerows(rows)
+    harness.write_csv(path, rows)
     return path
 
 
@@ -197,11 +192,7 @@ def exp_slices(args) -> None:
 
 
 def plot_slices(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ns = sorted({r["streams"] for r in rows})
     fig, axes = plt.subplots(len(ns), 2, figsize=(12, 4.2 * len(ns)), squeeze=False)
     for i, n in enumerate(ns):
@@ -235,9 +226,7 @@ def plot_slices(rows: list[dict]) -> None:
         ax_i.set_ylabel("1M-token prompt TTFT (s)")
         ax_i.set_title("stock: TTFT vs slice size")
         ax_i.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(OUT / "long1m_slices.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, OUT / "long1m_slices.png", dpi=110)
 
 
 # --- aligned vs arbitrary cuts ------------------------------------------------------------------
@@ -307,11 +296,7 @@ def exp_cuts(args) -> None:
                 flush=True,
             )
     write_csv("cuts1m", rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     labels = [f"{r['cuts']}\n{r['checkpoints'].replace(' + ', chr(10) + '+ ')}" for r in rows]
     colors = ["tab:green" if r["cuts"] == "aligned" else "tab:red" for r in rows]
@@ -324,9 +309,7 @@ def exp_cuts(args) -> None:
         ax.set_title(title)
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"H200 TP8, 1M-token document in {args.cut_slice}-token rounds, page 64")
-    fig.tight_layout()
-    fig.savefig(OUT / "cuts1m.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, OUT / "cuts1m.png", dpi=110)
 
 
 # --- agents on 8 DP ranks -------------------------------------------------------------------------
@@ -405,11 +388,7 @@ def exp_agents(args) -> None:
             flush=True,
         )
     write_csv("agents_dp8", rows)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [f"{r['policy']}\n{r['router']}\n{r['eviction']}" for r in rows]
     colors = ["tab:gray" if r["policy"] == "stock" else "tab:blue" for r in rows]
@@ -424,9 +403,7 @@ def exp_agents(args) -> None:
         f"{args.agents} agents x {args.turns} turns, forks of 4, 8 DP ranks of "
         "Kimi-Linear-48B on one H200 each"
     )
-    fig.tight_layout()
-    fig.savefig(OUT / "agents_dp8.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, OUT / "agents_dp8.png", dpi=110)
 
 
 def main() -> int:

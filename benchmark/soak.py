@@ -31,7 +31,6 @@ Example (the embedded tiny model on CPU, 3 minutes per policy)::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import socket
@@ -45,9 +44,18 @@ from pathlib import Path
 import psutil
 import requests
 
+from sglang_kda.harness import (
+    Server,
+    launch,
+    percentile,
+    pyplot,
+    save_png,
+    stream_generate_sync,
+    tiny_model_dir,
+    write_csv,
+)
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_side_by_side import start_server, stop_server  # noqa: E402
 
 FIRST_ID = 16  # the tiny model's special tokens sit below this
 MIB = 1 << 20
@@ -104,7 +112,10 @@ class Traffic:
                 self._hang_up(payload, rng.uniform(0.0, 1.0))
                 return Result(kind, stream, True, t0, time.monotonic(), True, 0)
             if stream:
-                n = self._stream(payload, rng.randint(1, 4) if abandoned else None)
+                stop_after = rng.randint(1, 4) if abandoned else None
+                n = stream_generate_sync(
+                    self.url, ids, new, stop_after_events=stop_after, timeout=a.timeout
+                ).n_tokens
                 if abandoned:
                     return Result(kind, stream, True, t0, time.monotonic(), True, 0)
             else:
@@ -130,26 +141,6 @@ class Traffic:
         with socket.create_connection(("127.0.0.1", self.port), timeout=30) as sock:
             sock.sendall(head + body)
             time.sleep(delay)
-
-    def _stream(self, payload: dict, stop_after: int | None) -> int:
-        """Returns the number of tokens streamed (stops early after ``stop_after`` events)."""
-        tokens, events = 0, 0
-        with requests.post(
-            self.url + "/generate", json=payload, stream=True, timeout=self.args.timeout
-        ) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-            for line in resp.iter_lines():
-                if not line.startswith(b"data: {"):
-                    continue
-                out = json.loads(line[6:])
-                if "error" in out:
-                    raise RuntimeError(f"stream error: {str(out['error'])[:200]}")
-                events += 1
-                tokens = out["meta_info"]["completion_tokens"]  # so far
-                if stop_after is not None and events >= stop_after:
-                    break
-        return tokens
 
     def run(self, concurrency: int, seconds: float, abandon_fraction: float) -> list[Result]:
         """``concurrency`` clients, each sending its next request as soon as the last one ends,
@@ -218,34 +209,12 @@ def find_scheduler(launcher_pid: int, report_pid: int | None) -> psutil.Process:
     return named[0]
 
 
-def kda_report(port: int) -> dict:
-    info = requests.get(f"http://127.0.0.1:{port}/server_info", timeout=60).json()
-    return info["internal_states"][0]["sglang_kda"]
-
-
-def flush_and_read_idle(port: int, timeout_s: float = 300) -> dict:
-    """Waits for the scheduler to drain, flushes the cache (retrying while it refuses) and returns
+def flush_and_read_idle(server: Server, timeout_s: float = 300) -> dict:
+    """Waits for the scheduler to drain, flushes the cache (retried while it refuses) and returns
     the occupancy."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        occ = kda_report(port)["occupancy"]
-        if occ["running_reqs"] == 0 and occ["waiting_reqs"] == 0:
-            r = requests.post(f"http://127.0.0.1:{port}/flush_cache", timeout=60)
-            if r.status_code == 200:
-                return kda_report(port)["occupancy"]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server did not drain in {timeout_s}s: {occ}")
-        time.sleep(0.5)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+    server.wait_no_requests(timeout_s)
+    server.flush_cache()
+    return server.kda_report()["occupancy"]
 
 
 def throughput(results: list[Result], seconds: float) -> float:
@@ -298,30 +267,30 @@ def windows(results: list[Result], rss: list[tuple[float, float]], t0: float, en
 
 def soak_policy(policy: str, model: str, args: argparse.Namespace, logdir: Path) -> dict:
     log = logdir / f"{policy}.log"
-    proc, port = start_server(model, policy, args.server_args, log)
+    server = launch(model, policy=policy, extra=args.server_args, log=log)
     out = {"policy": policy, "log": str(log)}
     try:
-        traffic = Traffic(port, args, args.seed)
-        report = kda_report(port)
+        traffic = Traffic(server.port, args, args.seed)
+        report = server.kda_report()
         assert report["policy"] == policy, report
-        idle = flush_and_read_idle(port)
+        idle = flush_and_read_idle(server)
         if args.concurrency:
             conc, ramp = args.concurrency, []
         else:
             conc, ramp = find_saturation(traffic, args, policy)
-            idle = flush_and_read_idle(port)
+            idle = flush_and_read_idle(server)
         print(f"[{policy}] soaking {args.minutes} min at concurrency {conc}", flush=True)
-        sampler = RssSampler(proc.pid, report["pid"], args.rss_interval)
+        sampler = RssSampler(server.proc.pid, report["pid"], args.rss_interval)
         sampler.start()
         t0 = time.monotonic()
         results = traffic.run(conc, args.minutes * 60, args.abandon_fraction)
         end = time.monotonic()
         try:
-            after = flush_and_read_idle(port)
+            after = flush_and_read_idle(server)
         except Exception as e:  # noqa: BLE001
             after = {"error": repr(e)}
         sampler.stop()
-        alive = proc.poll() is None
+        alive = server.proc.poll() is None
         wins = windows(results, sampler.samples, t0, end, args.window_s)
         served = [r for r in results if r.ok and not r.abandoned]
         lat = [(r.t_end - r.t_start) * 1000 for r in served]
@@ -348,17 +317,12 @@ def soak_policy(policy: str, model: str, args: argparse.Namespace, logdir: Path)
             alive=alive,
         )
     finally:
-        stop_server(proc)
+        server.stop()
     return out
 
 
 def plot(results: list[dict], path: Path, window_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (ax1, ax2) = pyplot().subplots(2, 1, figsize=(9, 7), sharex=True)
     for res, color in zip(
         results, ("tab:blue", "tab:orange", "tab:green", "tab:red") * 4, strict=False
     ):
@@ -379,38 +343,37 @@ def plot(results: list[dict], path: Path, window_s: float) -> None:
     ax2.set_xlabel("soak time (s)")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def write_outputs(results: list[dict], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = ["window_start_s", "served", "errors", "abandoned", "p50_ms", "p99_ms", "rss_mib"]
-    with open(out_dir / "windows.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", *keys])
-        for res in results:
-            for win in res.get("windows", []):
-                w.writerow([res["policy"], *(win[k] for k in keys)])
+    windows_rows = [
+        {"policy": res["policy"], **{k: win[k] for k in keys}}
+        for res in results
+        for win in res.get("windows", [])
+    ]
+    write_csv(out_dir / "windows.csv", windows_rows, ["policy", *keys])
     summary_keys = [
         "concurrency", "seconds", "served", "errors", "abandoned", "tok_per_s", "p50_ms",
         "p99_ms", "rss_first_mib", "rss_last_mib", "slots_back", "alive",
     ]  # fmt: skip
-    with open(out_dir / "summary.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", *summary_keys])
-        for res in results:
-            w.writerow([res["policy"], *(res.get(k) for k in summary_keys)])
-    with open(out_dir / "ramp.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", "concurrency", "tok_per_s", "requests", "errors"])
-        for res in results:
-            w.writerows(res.get("ramp", []))
-    with open(out_dir / "rss.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["policy", "t_s", "rss_mib"])
-        for res in results:
-            w.writerows((res["policy"], round(t, 1), round(m, 1)) for t, m in res.get("rss", []))
+    summary = [
+        {"policy": res["policy"], **{k: res.get(k) for k in summary_keys}} for res in results
+    ]
+    write_csv(out_dir / "summary.csv", summary, ["policy", *summary_keys])
+    ramp_keys = ["policy", "concurrency", "tok_per_s", "requests", "errors"]
+    ramp = [
+        dict(zip(ramp_keys, row, strict=True)) for res in results for row in res.get("ramp", [])
+    ]
+    write_csv(out_dir / "ramp.csv", ramp, ramp_keys)
+    rss = [
+        {"policy": res["policy"], "t_s": round(t, 1), "rss_mib": round(m, 1)}
+        for res in results
+        for t, m in res.get("rss", [])
+    ]
+    write_csv(out_dir / "rss.csv", rss, ["policy", "t_s", "rss_mib"])
     plot(results, out_dir / "soak.png", float(results[0].get("window_s", 30)))
 
 
@@ -439,11 +402,7 @@ def main() -> int:
     parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
     args = parser.parse_args()
 
-    model = args.model
-    if model is None:
-        from sglang_kda.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(REPO / "models" / "tiny-kimi-linear"))
+    model = args.model or str(tiny_model_dir())
     logdir = Path(tempfile.mkdtemp(prefix="kda-soak-"))
     results = []
     for policy in args.policies.split(","):

@@ -28,6 +28,7 @@ import requests
 
 import sglang_kda  # noqa: F401  (CPU import guards, before sglang is imported)
 import sglang as sgl  # noqa: E402, I001
+from sglang_kda.harness import read_metrics  # /metrics as {name: value}; {} without metrics
 
 
 def shared_context(paragraphs: int = 8) -> str:
@@ -49,29 +50,6 @@ def branches(s, context: str, num_branches: int, max_tokens: int):
         f += sgl.gen("answer", max_tokens=max_tokens, temperature=0, ignore_eos=True)
     forks.join()
     return [f.get_meta_info("answer") or {} for f in forks]
-
-
-def read_metrics(url: str) -> dict[str, float]:
-    """``/metrics`` as {name: value summed over labels}; empty without ``--enable-metrics``."""
-    try:
-        r = requests.get(url + "/metrics", timeout=30)
-    except requests.RequestException:
-        return {}
-    if r.status_code != 200:
-        return {}
-    out: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        if name.endswith(("_bucket", "_created")):
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            pass
-    return out
 
 
 def count_tokens(url: str, text: str) -> int | None:

@@ -28,7 +28,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence
 
-GRID = 64  # KDA chunk: one serial step of the recurrence
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID  # one serial step of the recurrence
+
 DEFAULT_ALPHA = 1.0
 CHOICES = ("lru", "marconi")
 

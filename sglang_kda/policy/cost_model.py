@@ -58,7 +58,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-KDA_CHUNK = 64
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as KDA_CHUNK
+
 FILE_FORMAT = 1
 
 

@@ -26,9 +26,10 @@ from harness import (
 )
 from reference_forward import ReferenceKimiLinear
 
+from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
+
 pytestmark = pytest.mark.server
 
-GRID = 64
 NEW = 4
 VOCAB_LO, VOCAB_HI = 10, 1000
 
@@ -55,7 +56,7 @@ POISON = "poison-"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     # Fault injection: live state slots of requests whose rid starts with POISON are overwritten
-    # after their prefill (patches/batch_result_processor.py).
+    # after their prefill (the test seam sglang_kda/faults.py).
     os.environ["SGLANG_KDA_DEBUG_POISON_RID_PREFIX"] = POISON
     try:
         srv = start_server(

@@ -22,7 +22,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import start_server
+from harness import flush_cache_until_ok, start_server
 
 pytestmark = pytest.mark.server
 
@@ -67,13 +67,6 @@ def _generate(server, ids: list[int]) -> dict:
     return out
 
 
-def _flush(server) -> None:
-    for _ in range(60):
-        if server.post("/flush_cache", {}).status_code == 200:
-            return
-    raise AssertionError("flush_cache kept failing")
-
-
 def _assert_same_greedy(got: dict, alone: dict, what: str) -> None:
     a, b = got["output_ids"], alone["output_ids"]
     if a == b:
@@ -110,10 +103,10 @@ def test_reported_concurrency_findings(server):
     rng = random.Random(1234)
     prompts = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)] for n in (172, 300, 300, 300)]
     for batch in (prompts[:3], prompts):
-        _flush(server)
+        flush_cache_until_ok(server)
         together = _run_concurrently(server, batch)
         for k, p in enumerate(batch):
-            _flush(server)
+            flush_cache_until_ok(server)
             _assert_same_greedy(together[k], _generate(server, p), f"prompt {k} ({len(p)} ids)")
     assert server.get("/health_generate").status_code == 200
 
@@ -122,12 +115,12 @@ def test_concurrent_rounds_equal_solo(server):
     rng = random.Random(SEED * 1000 + server.chunk)
     for r in range(ROUNDS):
         prompts = random_round(rng, server.chunk)
-        _flush(server)
+        flush_cache_until_ok(server)
         together = _run_concurrently(server, prompts)
         # The same prompts again, concurrently, now partly served from the radix cache.
         again = _run_concurrently(server, prompts)
         for k, p in enumerate(prompts):
-            _flush(server)
+            flush_cache_until_ok(server)
             alone = _generate(server, p)
             _assert_same_greedy(together[k], alone, f"round {r} prompt {k} ({len(p)} ids)")
             _assert_same_greedy(again[k], alone, f"round {r} prompt {k} repeated")
