@@ -1,20 +1,26 @@
-"""sglang_kda.harness without a server: percentile, metrics parsing, stream folding, CSV files."""
+"""sglang_kda.harness without an SGLang server: percentile, metrics parsing, the streaming client
+(against a local stand-in that streams as SGLang does), CSV files."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
 from sglang_kda.harness import (
     StreamResult,
-    _Chunks,
     parse_metrics,
     percentile,
     read_csv,
+    read_metrics,
+    stream_generate,
+    stream_generate_sync,
     write_csv,
 )
 
@@ -78,48 +84,107 @@ def test_parse_metrics_of_empty_text():
     assert parse_metrics("") == {}
 
 
-def _fold(lines: list[tuple[float, str]], arrival: float = 0.0) -> StreamResult:
-    res = StreamResult(arrival=arrival)
-    chunks = _Chunks(res, n_prompt=10)
-    for t, line in lines:
-        if not chunks.feed(line, t):
-            break
-    return chunks.finish(lines[-1][0])
+class _FakeServer(ThreadingHTTPServer):
+    """Answers ``/generate`` with the chunks in ``self.chunks`` (SSE, as SGLang streams) and
+    ``/metrics`` with ``METRICS_TEXT`` (404 once ``self.metrics`` is False)."""
+
+    chunks: list[str] = []
+    metrics = True
 
 
-def _data(n: int, ids: list[int], cached: int = 0) -> str:
-    meta = {"completion_tokens": n, "prompt_tokens": 10, "cached_tokens": cached}
-    return "data: " + json.dumps({"output_ids": ids, "meta_info": meta})
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in self.server.chunks:
+            self.wfile.write(f"data: {chunk}\n\n".encode())
+            self.wfile.flush()
+
+    def do_GET(self) -> None:
+        ok = self.server.metrics
+        self.send_response(200 if ok else 404)
+        self.end_headers()
+        self.wfile.write(METRICS_TEXT.encode() if ok else b"not found")
 
 
-def test_stream_ttft_itls_and_ids_with_a_chunk_of_two_tokens():
-    # Tokens 1 at 0.5 s, 2 at 0.6 s, 3 and 4 together at 0.8 s (cumulative output ids).
-    res = _fold(
-        [
-            (0.5, _data(1, [7])),
-            (0.6, _data(2, [7, 8])),
-            (0.8, _data(4, [7, 8, 9, 3], cached=4)),
-            (0.81, "data: [DONE]"),
-        ],
-        arrival=0.1,
+@pytest.fixture
+def fake():
+    server = _FakeServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _chunk(n: int, ids: list[int], cached: int = 0) -> str:
+    return json.dumps(
+        {
+            "output_ids": ids,
+            "meta_info": {"completion_tokens": n, "prompt_tokens": 10, "cached_tokens": cached},
+        }
     )
+
+
+def test_streaming_client_counts_tokens_ids_and_cache(fake):
+    server, url = fake
+    # Cumulative output ids; the last chunk brings two tokens at once.
+    server.chunks = [_chunk(1, [7]), _chunk(2, [7, 8]), _chunk(4, [7, 8, 9, 3], 4), "[DONE]"]
+    res = stream_generate_sync(url, list(range(10)), 4)
+    assert res.output_ids == [7, 8, 9, 3]
+    assert (res.prompt_tokens, res.cached_tokens, res.n_tokens) == (10, 4, 4)
+    assert [n for _t, n in res.events] == [1, 2, 4]
+    assert len(res.token_times) == 4 and res.token_times[2] == res.token_times[3]
+    assert len(res.itls()) == 3 and res.ttft >= 0 and res.latency >= res.ttft
+
+    async def run() -> list[StreamResult]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(
+                *(stream_generate(session, url, [1, 2, 3], 4) for _ in range(2))
+            )
+
+    for r in asyncio.run(run()):
+        assert r.output_ids == [7, 8, 9, 3] and r.n_tokens == 4
+
+
+def test_streaming_client_collects_incremental_ids_and_stops_early(fake):
+    server, url = fake
+    server.chunks = [_chunk(1, [5]), _chunk(3, [6, 7]), _chunk(4, [8]), "[DONE]"]
+    assert stream_generate_sync(url, [1], 4).output_ids == [5, 6, 7, 8]
+    early = stream_generate_sync(url, [1], 4, stop_after_events=2)
+    assert early.n_tokens == 3 and early.output_ids == [5, 6, 7]
+
+
+def test_streaming_client_raises_on_an_error_chunk(fake):
+    server, url = fake
+    server.chunks = [_chunk(1, [5]), json.dumps({"error": {"message": "boom"}})]
+    with pytest.raises(RuntimeError, match="stream error"):
+        stream_generate_sync(url, [1], 4)
+
+
+def test_itls_spread_a_multi_token_chunk_like_sglang_bench_serving():
+    # Tokens 1 at 0.5 s, 2 at 0.6 s, 3 and 4 together at 0.8 s: a chunk of k tokens after a gap
+    # g gives k latencies of g / k; TTFT is the first chunk carrying a token.
+    res = StreamResult(arrival=0.1, events=[(0.5, 1), (0.6, 2), (0.8, 4)], end=0.81)
     assert res.ttft == pytest.approx(0.4)
-    # As SGLang's serving benchmark: a chunk of k tokens after gap g gives k ITLs of g / k.
     assert res.itls() == pytest.approx([0.1, 0.1, 0.1])
     assert res.itls(0.7, 1.0) == pytest.approx([0.1, 0.1])
     assert res.token_times == [0.5, 0.6, 0.8, 0.8]
-    assert res.output_ids == [7, 8, 9, 3]
-    assert (res.prompt_tokens, res.cached_tokens, res.n_tokens) == (10, 4, 4)
+    assert math.isnan(StreamResult(arrival=0.0).ttft)
 
 
-def test_stream_incremental_ids_are_collected():
-    res = _fold([(0.2, _data(1, [5])), (0.3, _data(3, [6, 7])), (0.4, "data: [DONE]")])
-    assert res.output_ids == [5, 6, 7]
-
-
-def test_stream_error_chunk_raises():
-    with pytest.raises(RuntimeError, match="stream error"):
-        _fold([(0.2, 'data: {"error": {"message": "boom"}}')])
+def test_read_metrics_is_empty_without_metrics(fake):
+    server, url = fake
+    assert read_metrics(url) == parse_metrics(METRICS_TEXT)
+    server.metrics = False
+    assert read_metrics(url) == {}
 
 
 def test_write_and_read_csv_round_trip(tmp_path):
