@@ -1,0 +1,889 @@
+"""Head-of-line blocking, the ITL target's trade-off and concurrent long prefills at H200 costs.
+
+The simulator experiments of issue 20 (items 4, 3 and 2), Kimi-Linear-48B-A3B on 8 H200s (TP8,
+:class:`sglang_kda.sim.costs.KimiLinearH200`), page 64. One command per experiment; each writes
+CSV + PNG + a markdown section into ``benchmark/results/sim_hol/`` (``summary.md`` joins the
+sections) and prints its progress::
+
+    .venv/bin/python benchmark/sim_hol.py seed         # (A) long prompts among decodes + shorts
+    .venv/bin/python benchmark/sim_hol.py curve        # (B) ITL target vs TTFT vs ITL p99
+    .venv/bin/python benchmark/sim_hol.py concurrent   # (C) two long prefills: serial vs together
+    .venv/bin/python benchmark/sim_hol.py all
+
+``seed`` (issue 20 item 4, the seed's experiment extended): 32 decode streams (1,000-token
+prompts, decoding all run long), a Poisson stream of short prompts (1,024-4,096 tokens, 64-256
+output tokens, 4 a second), and either one 1,048,576-token prompt at 10 s (``1m``) or six
+600K-900K prompts arriving over about two minutes (``multi``, the shape of sglang #34623).
+Every configuration runs the same trace with ``--chunked-prefill-size 8192`` (#34623's value):
+stock, stock + ``--enable-mixed-chunk``, this project's policy without the budget (``kda``,
+the launcher's default) and with the serial budget at candidate default ITL targets. The
+simulator runs the same round code as the server (``sglang_kda.policy.round``). Reported: the
+share of short requests waiting over 1 s and over 60 s for their first token, their TTFT
+p50/p99, decode ITL p50/p99/max over the gaps that overlap a long prefill (and p99 over the
+whole run), the long prompts' TTFT and whether the server's default deadlines (10 s + 1 s per
+1,000 prompt tokens) were met.
+
+``curve`` (item 3): the 1M-token prompt among 32 decode streams, no short prompts, the serial
+budget at ITL targets 10-200 ms and at multiples of the predicted decode step (with and
+without a floor): the long prompt's TTFT and the decode ITL p99 while it prefills, at chunk
+8192 and 16384 (SGLang's default on GPUs over 96 GB); stock references.
+
+``concurrent`` (item 2): two 500K-token prompts arriving 1 s apart, prefilled one after the other
+(what the scheduler does: one chunked request per round; checked against the simulator) against
+both in every round (priced by ``KimiLinearH200.predict`` on a round with two slices), and the
+tokens a round of a given time budget prefills with one slice or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from sglang_kda import harness
+from sglang_kda.harness import pyplot, save_png
+from sglang_kda.policy.budget import BudgetConfig, round_budget
+from sglang_kda.policy.cost_model import BatchShape, Slice
+from sglang_kda.sim import costs as C
+from sglang_kda.sim import trace as T
+from sglang_kda.sim.costs import KimiLinearH200, kda_steps_abs, prefill_alone
+from sglang_kda.sim.engine import SimConfig, SimReq, simulate
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmark" / "results" / "sim_hol"
+PAGE = 64
+CHUNK = 8192  # sglang #34623 ran --chunked-prefill-size 8192
+STREAM_PROMPT = 1000
+FOREVER = 10**7  # a decode stream's output: it decodes through the whole run
+# Token ids below 257 are CPython's cached small ints: a 1M-token prompt costs 8 MB, not 36.
+VOCAB = (10, 250)
+LONG_1M = 1 << 20
+# The server's default deadline (sglang_kda/config.py): 10 s + 1 s per 1,000 prompt tokens.
+DEADLINE_S, DEADLINE_PER_1K = 10.0, 1.0
+SECTIONS = ("seed", "curve", "concurrent")
+SCENARIOS = ("1m", "multi", "burst")
+# SGLang 0.5.23 applies --max-prefill-tokens to a candidate only without chunked prefill
+# (PrefillAdder._select_prefill_admission: "Without chunking, allow the first request even
+# above the input cap"); with chunking a long waiting prompt is cut, or passed over while the
+# round holds a chunked request (the kda patch's CONTINUE), and the requests behind it are
+# still considered. The simulator's round stops admitting at a waiting request longer than the
+# input budget left (engine.py, ``extend > rem_input``), which would keep short prompts behind
+# a second long prompt; with chunk 8192 < 16384 the input budget never binds otherwise, so the
+# runs here lift it. ``--max-prefill-tokens 16384`` shows the simulator's own behaviour.
+NO_INPUT_CAP = 1 << 40
+
+
+# --- configurations ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server configuration (the flags it stands for in ``flags``).
+
+    budget: the serial budget (``--kda-budget serial``); ``itl_ms`` a fixed round budget,
+    else ``factor`` x the predicted decode-only step, at least ``floor_ms``.
+    """
+
+    name: str
+    policy: str
+    flags: str
+    mixed: bool = False
+    budget: bool = False
+    itl_ms: Optional[float] = None
+    factor: float = 1.2
+    floor_ms: float = 0.0
+
+    def budget_config(self, chunk: int) -> Optional[BudgetConfig]:
+        if not self.budget:
+            return None
+        return BudgetConfig(
+            itl_target_s=None if self.itl_ms is None else self.itl_ms / 1e3,
+            itl_factor=self.factor,
+            itl_floor_s=self.floor_ms / 1e3,
+            ttft_deadline_s=DEADLINE_S,
+            deadline_s_per_1k=DEADLINE_PER_1K,
+            grid=PAGE,
+            max_slice=chunk,
+        )
+
+    def config(self, chunk: int, max_prefill_tokens: int = NO_INPUT_CAP) -> SimConfig:
+        kda = self.policy == "kda"
+        return SimConfig(
+            policy=self.policy,
+            chunked_prefill_size=chunk,
+            page_size=PAGE,
+            max_running_requests=1024,
+            max_prefill_tokens=max_prefill_tokens,
+            checkpoint_every=4096 if kda else 0,
+            enable_mixed_chunk=self.mixed,
+            budget=self.budget_config(chunk),
+        )
+
+
+def budget_variant(itl_ms=None, factor=1.2, floor_ms=0.0) -> Variant:
+    if itl_ms is not None:
+        return Variant(
+            f"budget {itl_ms:g} ms",
+            "kda",
+            f"--kda-itl-target-ms {itl_ms:g}",
+            budget=True,
+            itl_ms=itl_ms,
+        )
+    name = f"budget {factor:g}x step" + (f", >= {floor_ms:g} ms" if floor_ms else "")
+    flags = f"itl_factor {factor:g}, itl_floor {floor_ms:g} ms"
+    return Variant(name, "kda", flags, budget=True, factor=factor, floor_ms=floor_ms)
+
+
+STOCK = Variant("stock", "stock", "--kda-policy stock")
+STOCK_MIXED = Variant("stock+mixed", "stock", "--kda-policy stock --enable-mixed-chunk", mixed=True)
+KDA = Variant("kda", "kda", "(launcher defaults)")
+SEED_VARIANTS = (
+    STOCK,
+    STOCK_MIXED,
+    KDA,
+    budget_variant(factor=1.2),
+    budget_variant(factor=2.0, floor_ms=50.0),
+    budget_variant(itl_ms=25.0),
+    budget_variant(itl_ms=50.0),
+    budget_variant(itl_ms=100.0),
+)
+
+
+# --- traces --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    trace: T.Trace
+    longs: list[str]
+    shorts: list[str]
+    streams: list[str]
+    window_s: float  # short prompts arrive in [0, window_s)
+    note: str
+
+
+def seed_workload(
+    scenario: str,
+    streams: int = 32,
+    rate: float = 4.0,
+    window_s: Optional[float] = None,
+    n_long: int = 6,
+    long_gap_s: float = 30.0,
+    short_range: tuple[int, int] = (1024, 4096),
+    short_out: tuple[int, int] = (64, 256),
+    long_out: int = 32,
+    first_long_s: float = 10.0,
+    long_1m: int = LONG_1M,
+    seed: int = 0,
+) -> Workload:
+    """Decode streams from 0 s, long prompts from ``first_long_s``, Poisson short prompts.
+
+    ``1m``: one ``long_1m``-token prompt; ``multi`` / ``burst``: ``n_long`` prompts of 600K-900K
+    tokens, gaps drawn from an exponential of mean ``long_gap_s`` (the shape of sglang #34623;
+    ``burst`` is called with a short mean gap, so the long prompts queue). Short prompts arrive
+    at ``rate`` a second until ``window_s`` (default: 60 s for ``1m``, 30 s after the last long
+    prompt otherwise). Separate random streams for the long and the short
+    prompts: changing one leaves the other as it was.
+    """
+    reqs = [
+        T.TraceRequest(f"dec{i}", FOREVER, t=0.001 * i, segments=((f"s{i}", STREAM_PROMPT),))
+        for i in range(streams)
+    ]
+    longs: list[tuple[float, int]] = []
+    if scenario == "1m":
+        longs.append((first_long_s, long_1m))
+        window = 60.0 if window_s is None else window_s
+    elif scenario in ("multi", "burst"):
+        rl = random.Random(f"{seed}:long")
+        t = first_long_s
+        for _ in range(n_long):
+            longs.append((round(t, 3), rl.randint(600_000, 900_000)))
+            t += rl.expovariate(1.0 / long_gap_s)
+        window = longs[-1][0] + 30.0 if window_s is None else window_s
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    long_ids = []
+    for k, (t, n) in enumerate(longs):
+        rid = f"long{k}"
+        long_ids.append(rid)
+        reqs.append(T.TraceRequest(rid, long_out, t=t, segments=((f"doc{k}", n),)))
+    rs = random.Random(f"{seed}:short")
+    short_ids = []
+    t = rs.expovariate(rate)
+    while t < window:
+        rid = f"short{len(short_ids)}"
+        short_ids.append(rid)
+        n = rs.randint(*short_range)
+        out = rs.randint(*short_out)
+        reqs.append(T.TraceRequest(rid, out, t=round(t, 6), segments=((f"q{rid}", n),)))
+        t += rs.expovariate(rate)
+    reqs.sort(key=lambda r: r.t)
+    desc = ", ".join(f"{n // 1000}K at {t:g} s" for t, n in longs)
+    note = (
+        f"{streams} decode streams ({STREAM_PROMPT}-token prompts); long prompts: {desc}; "
+        f"{len(short_ids)} short prompts ({short_range[0]}-{short_range[1]} tokens, "
+        f"{short_out[0]}-{short_out[1]} out) at {rate:g}/s over [0, {window:g}) s"
+    )
+    tr = T.Trace(reqs, vocab=VOCAB, seed=seed, name=f"hol_{scenario}")
+    stream_ids = [f"dec{i}" for i in range(streams)]
+    return Workload(tr, long_ids, short_ids, stream_ids, window, note)
+
+
+def curve_trace(streams: int = 32, long_at_s: float = 20.0) -> T.Trace:
+    """``streams`` decode streams from 0 s; the 1M-token prompt at ``long_at_s`` (every stream
+    decodes by then)."""
+    reqs = [
+        T.TraceRequest(f"dec{i}", FOREVER, t=0.001 * i, segments=((f"s{i}", STREAM_PROMPT),))
+        for i in range(streams)
+    ]
+    reqs.append(T.TraceRequest("long", 1, t=long_at_s, segments=(("doc", LONG_1M),)))
+    return T.Trace(reqs, vocab=VOCAB, name=f"curve1m_{streams}")
+
+
+# --- measurements --------------------------------------------------------------------------------
+
+
+def windows_of(longs: Sequence[SimReq], end: float) -> list[tuple[float, float]]:
+    """[arrival, first token) of each long prompt (to ``end`` when it has none yet)."""
+    return [(r.arrival, r.token_times[0] if r.token_times else end) for r in longs]
+
+
+def gaps_overlapping(
+    reqs: Sequence[SimReq], windows: Sequence[tuple[float, float]], end: float
+) -> list[float]:
+    """Every inter-token gap of ``reqs`` that overlaps one of ``windows`` (whole gaps: the wait a
+    client saw), plus a still-open gap (last token to ``end``) of a request not done."""
+    out = []
+    for r in reqs:
+        ts = list(r.token_times)
+        if not ts:
+            continue
+        if r.state != "done" and ts[-1] < end:
+            ts.append(end)
+        hit = set()
+        for a, b in windows:
+            lo = max(0, bisect.bisect_right(ts, a) - 1)  # the gap that contains a
+            hi = bisect.bisect_left(ts, b)  # the first token at or after b
+            hit.update(range(lo, min(hi, len(ts) - 1)))
+        out.extend(ts[i + 1] - ts[i] for i in sorted(hit))
+    return out
+
+
+def pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else math.nan
+
+
+def default_deadline(prompt_tokens: int) -> float:
+    return DEADLINE_S + DEADLINE_PER_1K * prompt_tokens / 1000.0
+
+
+def measure_seed(res, wl: Workload) -> dict:
+    by = {r.rid: r for r in res.requests}
+    longs = [by[i] for i in wl.longs]
+    shorts = [by[i] for i in wl.shorts]
+    end = res.end_time
+    ttft = [r.ttft if r.token_times else end - r.arrival for r in shorts]
+    wins = windows_of(longs, end)
+    during = [r for r in shorts if any(a <= r.arrival < b for a, b in wins)]
+    others = [r for r in res.requests if r.rid not in set(wl.longs)]
+    itl_long = gaps_overlapping(others, wins, end)
+    warm = min(r.arrival for r in longs) - 5.0
+    itl_all = [
+        y - x
+        for r in others
+        for x, y in zip(r.token_times, r.token_times[1:], strict=False)
+        if y > warm
+    ]
+    long_ttft = [r.ttft if r.token_times else math.nan for r in longs]
+    met = sum(1 for r in longs if r.token_times and r.ttft <= default_deadline(len(r.ids)))
+    short_met = sum(
+        1 for r, x in zip(shorts, ttft, strict=True) if x <= default_deadline(len(r.ids))
+    )
+    prefill_s = sum(rr.end - rr.start for rr in res.ranks[0].rounds if rr.slices)
+    return {
+        "shorts": len(shorts),
+        "short_wait_gt_1s_pct": 100.0 * sum(x > 1.0 for x in ttft) / len(ttft),
+        "short_wait_gt_60s_pct": 100.0 * sum(x > 60.0 for x in ttft) / len(ttft),
+        "short_ttft_p50_s": pct(ttft, 50),
+        "short_ttft_p99_s": pct(ttft, 99),
+        "short_ttft_max_s": max(ttft),
+        "shorts_during_long": len(during),
+        "short_during_long_ttft_p50_s": pct([r.ttft for r in during if r.token_times], 50),
+        "decode_itl_p50_ms": pct(itl_long, 50) * 1e3,
+        "decode_itl_p99_ms": pct(itl_long, 99) * 1e3,
+        "decode_itl_max_ms": max(itl_long) * 1e3 if itl_long else math.nan,
+        "run_itl_p99_ms": pct(itl_all, 99) * 1e3,
+        "long_ttft_mean_s": float(np.mean(long_ttft)),
+        "long_ttft_max_s": float(np.max(long_ttft)),
+        "long_ttfts_s": " ".join(f"{x:.1f}" for x in long_ttft),
+        "long_deadlines_met": f"{met}/{len(longs)}",
+        "short_deadlines_met_pct": 100.0 * short_met / len(shorts),
+        "prefill_busy_pct": 100.0 * prefill_s / end,
+        "sim_end_s": end,
+        "rounds": res.ranks[0].n_rounds,
+    }
+
+
+# --- (A) the seed's experiment, extended ---------------------------------------------------------
+
+
+def seed_run(
+    wl: Workload, v: Variant, model, chunk: int, max_prefill_tokens: int = NO_INPUT_CAP
+) -> dict:
+    t0 = time.monotonic()
+    res = simulate(
+        wl.trace,
+        v.config(chunk, max_prefill_tokens),
+        model,
+        record_rounds=True,
+        stop_when_done=wl.longs + wl.shorts,
+        horizon_s=7200.0,
+    )
+    if any(r.rid in set(wl.longs + wl.shorts) for r in res.unfinished):
+        raise RuntimeError(f"{v.name}: requests unfinished at the horizon")
+    row = {"config": v.name, "flags": v.flags, "chunk": chunk, **measure_seed(res, wl)}
+    row["sim_wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+SEED_COLUMNS = (
+    ("config", "config", "{}"),
+    ("short_wait_gt_1s_pct", "shorts > 1 s", "{:.1f}%"),
+    ("short_wait_gt_60s_pct", "shorts > 60 s", "{:.1f}%"),
+    ("short_ttft_p50_s", "short TTFT p50 (s)", "{:.3f}"),
+    ("short_ttft_p99_s", "short TTFT p99 (s)", "{:.2f}"),
+    ("decode_itl_p50_ms", "ITL p50 (ms)", "{:.1f}"),
+    ("decode_itl_p99_ms", "ITL p99 (ms)", "{:.0f}"),
+    ("decode_itl_max_ms", "ITL max (ms)", "{:.0f}"),
+    ("run_itl_p99_ms", "run ITL p99 (ms)", "{:.1f}"),
+    ("long_ttfts_s", "long TTFT (s)", "{}"),
+    ("long_deadlines_met", "long deadlines met", "{}"),
+    ("short_deadlines_met_pct", "short deadlines met", "{:.1f}%"),
+    ("sim_wall_s", "sim wall (s)", "{:.1f}"),
+)
+
+
+def md_table(rows: list[dict], columns) -> str:
+    head = "| " + " | ".join(c[1] for c in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for r in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = r.get(key, "")
+            try:
+                cells.append(fmt.format(v))
+            except (ValueError, TypeError):
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def exp_seed(args) -> None:
+    model = KimiLinearH200(8)
+    t_all = time.monotonic()
+    parts = []
+    all_rows = {}
+    for scenario in args.scenarios:
+        wl = seed_workload(
+            scenario,
+            streams=args.streams,
+            rate=args.rate,
+            n_long=args.n_long,
+            long_gap_s=args.burst_gap_s if scenario == "burst" else args.long_gap_s,
+            seed=args.seed,
+        )
+        print(f"[seed/{scenario}] {wl.note}", flush=True)
+        rows = []
+        for v in SEED_VARIANTS:
+            row = seed_run(wl, v, model, args.chunk, args.max_prefill_tokens)
+            rows.append({"scenario": scenario, **row})
+            print(
+                f"[seed/{scenario}] {v.name:28s} shorts>1s {row['short_wait_gt_1s_pct']:5.1f}% "
+                f">60s {row['short_wait_gt_60s_pct']:4.1f}% TTFT p50 "
+                f"{row['short_ttft_p50_s']:.3f}s p99 {row['short_ttft_p99_s']:.2f}s | ITL p99 "
+                f"{row['decode_itl_p99_ms']:.0f} ms max {row['decode_itl_max_ms']:.0f} ms | long "
+                f"TTFT {row['long_ttfts_s']} s ({row['sim_wall_s']} s)",
+                flush=True,
+            )
+        OUT.mkdir(parents=True, exist_ok=True)
+        harness.write_csv(OUT / f"seed_{scenario}.csv", rows, digits=4)
+        all_rows[scenario] = rows
+        parts.append(
+            f"### `{scenario}`: {wl.note}\n\n"
+            f"Long-prefill windows: from a long prompt's arrival to its first token; decode "
+            f"ITL p50/p99/max over every inter-token gap (decode streams and short requests) "
+            f"that overlaps one; run ITL p99 over all gaps from 5 s before the first long "
+            f"prompt. Deadlines: the server's default (10 s + 1 s per 1K tokens), checked for "
+            f"every configuration.\n\n{md_table(rows, SEED_COLUMNS)}\n"
+        )
+    plot_seed(all_rows)
+    wall = time.monotonic() - t_all
+    write_section(
+        "seed",
+        "## (A) Long prompts among decode streams and short prompts (issue 20 item 4)\n\n"
+        f"H200 TP8 (`KimiLinearH200(8)`), page 64, chunk {args.chunk} for every configuration. "
+        f"Command: `benchmark/sim_hol.py seed`; runtime {wall:.0f} s on one core.\n\n"
+        + "\n".join(parts),
+    )
+    print(f"[seed] done in {wall:.0f} s", flush=True)
+
+
+def plot_seed(all_rows: dict) -> None:
+    plt = pyplot()
+    scen = list(all_rows)
+    keys = (
+        ("short_wait_gt_1s_pct", "shorts waiting > 1 s (%)", False),
+        ("short_ttft_p99_s", "short TTFT p99 (s)", True),
+        ("decode_itl_p99_ms", "decode ITL p99 in long prefills (ms)", True),
+        ("long_ttft_mean_s", "long prompts' TTFT, mean (s)", False),
+    )
+    fig, axes = plt.subplots(len(scen), len(keys), figsize=(18, 4.6 * len(scen)), squeeze=False)
+    for i, s in enumerate(scen):
+        rows = all_rows[s]
+        names = [r["config"].replace("budget ", "budget\n") for r in rows]
+        colors = ["tab:gray" if r["config"].startswith("stock") else "tab:blue" for r in rows]
+        for ax, (key, title, log) in zip(axes[i], keys, strict=True):
+            ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+            ax.set_xticks(range(len(rows)), names, rotation=60, fontsize=7)
+            ax.set_title(f"{s}: {title}", fontsize=9)
+            if log:
+                ax.set_yscale("log")
+    fig.suptitle("H200 TP8, chunk 8192: short prompts and decode beside long prefills")
+    save_png(fig, OUT / "seed.png", dpi=100)
+
+
+# --- (B) the ITL target's trade-off curve --------------------------------------------------------
+
+
+def curve_run(v: Variant, model, chunk: int, streams: int) -> dict:
+    tr = curve_trace(streams)
+    t0 = time.monotonic()
+    res = simulate(tr, v.config(chunk), model, stop_when_done=["long"], horizon_s=7200.0)
+    long = next(r for r in res.requests if r.rid == "long")
+    wins = windows_of([long], res.end_time)
+    itl = gaps_overlapping([r for r in res.requests if r.rid != "long"], wins, res.end_time)
+    rank = res.ranks[0]
+    decode_ctx = [STREAM_PROMPT + int(20.0 / 0.007)] * streams  # about where the streams are
+    eff = None
+    cfg = v.budget_config(chunk)
+    if cfg is not None:
+        eff = round_budget(model, decode_ctx, cfg) * 1e3
+    row = {
+        "config": v.name,
+        "chunk": chunk,
+        "itl_target_ms": v.itl_ms if v.itl_ms is not None else "",
+        "factor": "" if (v.itl_ms is not None or not v.budget) else v.factor,
+        "floor_ms": "" if (v.itl_ms is not None or not v.budget) else v.floor_ms,
+        "round_budget_ms": eff if eff is not None else "",
+        "long_ttft_s": long.ttft,
+        "itl_p50_ms": pct(itl, 50) * 1e3,
+        "itl_p99_ms": pct(itl, 99) * 1e3,
+        "itl_max_ms": max(itl) * 1e3,
+        "rounds": rank.n_rounds,
+        "modes": " ".join(f"{k}:{n}" for k, n in sorted(rank.planner.rounds.items()))
+        if rank.planner
+        else "",
+        "sim_wall_s": round(time.monotonic() - t0, 1),
+    }
+    if rank.book is not None:
+        row["deadline_met"] = rank.book.stats.met
+        row["deadline_missed"] = rank.book.stats.missed
+    print(
+        f"[curve] chunk {chunk} {v.name:28s} TTFT {row['long_ttft_s']:6.1f} s ITL p50 "
+        f"{row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} max {row['itl_max_ms']:8.0f} ms "
+        f"({row['sim_wall_s']} s)",
+        flush=True,
+    )
+    return row
+
+
+def exp_curve(args) -> None:
+    model = KimiLinearH200(8)
+    t_all = time.monotonic()
+    rows = []
+    variants = [budget_variant(itl_ms=x) for x in args.targets_ms]
+    variants += [
+        budget_variant(factor=f, floor_ms=fl) for f, fl in ((1.2, 0), (2, 0), (3, 0), (2, 50))
+    ]
+    for chunk in args.curve_chunks:
+        for v in (STOCK, STOCK_MIXED, KDA, *variants):
+            rows.append(curve_run(v, model, chunk, args.streams))
+        alone = prefill_alone(model, LONG_1M, chunk)
+        rows.append({"config": "alone (no decode)", "chunk": chunk, "long_ttft_s": alone})
+    OUT.mkdir(parents=True, exist_ok=True)
+    harness.write_csv(OUT / "curve.csv", rows, digits=4)
+    plot_curve(rows, args.streams)
+    wall = time.monotonic() - t_all
+    cols = (
+        ("config", "config", "{}"),
+        ("chunk", "chunk", "{}"),
+        ("round_budget_ms", "round budget (ms)", "{:.1f}"),
+        ("long_ttft_s", "1M TTFT (s)", "{:.1f}"),
+        ("itl_p50_ms", "ITL p50 (ms)", "{:.1f}"),
+        ("itl_p99_ms", "ITL p99 (ms)", "{:.1f}"),
+        ("itl_max_ms", "ITL max (ms)", "{:.0f}"),
+        ("modes", "plan modes (rounds)", "{}"),
+        ("sim_wall_s", "sim wall (s)", "{}"),
+    )
+    write_section(
+        "curve",
+        "## (B) ITL target vs the 1M prompt's TTFT vs decode ITL p99 (issue 20 item 3)\n\n"
+        f"H200 TP8, page 64, {args.streams} decode streams ({STREAM_PROMPT}-token prompts) "
+        "decoding when a 1,048,576-token prompt arrives at 20 s; no short prompts. The serial "
+        "budget's `max_slice` is the chunk size; deadlines are the server's defaults (the 1M "
+        "prompt's is 1,058 s, not binding). ITL over the decode gaps that overlap the prefill. "
+        "Round budget: the ITL target, or factor x the predicted decode step at about the "
+        "streams' context when the prompt arrives, at least the floor. "
+        f"Command: `benchmark/sim_hol.py curve`; runtime {wall:.0f} s on one core.\n\n"
+        f"{md_table(rows, cols)}\n",
+    )
+    print(f"[curve] done in {wall:.0f} s", flush=True)
+
+
+def plot_curve(rows: list[dict], streams: int) -> None:
+    plt = pyplot()
+    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(13, 4.8))
+    chunks = sorted({r["chunk"] for r in rows})
+    colors = dict(zip(chunks, ("tab:blue", "tab:orange", "tab:green"), strict=False))
+    for chunk in chunks:
+        col = colors[chunk]
+        fixed = [
+            r for r in rows if r["chunk"] == chunk and r.get("itl_target_ms") not in ("", None)
+        ]
+        fixed.sort(key=lambda r: r["itl_target_ms"])
+        xs = [r["itl_target_ms"] for r in fixed]
+        ax_t.plot(xs, [r["long_ttft_s"] for r in fixed], "o-", color=col, label=f"chunk {chunk}")
+        ax_i.plot(xs, [r["itl_p99_ms"] for r in fixed], "o-", color=col, label=f"chunk {chunk}")
+        fac = [r for r in rows if r["chunk"] == chunk and r.get("factor") not in ("", None)]
+        for r in fac:
+            lab = f"{r['factor']:g}x" + (f">={r['floor_ms']:g}" if r["floor_ms"] else "")
+            for ax, key in ((ax_t, "long_ttft_s"), (ax_i, "itl_p99_ms")):
+                ax.plot([r["round_budget_ms"]], [r[key]], "^", color=col, ms=9)
+                ax.annotate(lab, (r["round_budget_ms"], r[key]), fontsize=7, color=col)
+        for r in rows:
+            if r["chunk"] != chunk:
+                continue
+            if r["config"] in ("stock", "alone (no decode)"):
+                ls = "--" if r["config"] == "stock" else ":"
+                ax_t.axhline(r["long_ttft_s"], ls=ls, color=col, lw=0.8)
+                ax_t.annotate(
+                    f"{r['config']} {chunk}", (10, r["long_ttft_s"]), fontsize=7, color=col
+                )
+            if r["config"] == "stock+mixed":
+                ax_i.axhline(r["itl_p99_ms"], ls="--", color=col, lw=0.8)
+                ax_i.annotate(f"stock+mixed {chunk}", (10, r["itl_p99_ms"]), fontsize=7, color=col)
+    ax_i.plot([10, 200], [10, 200], color="k", lw=0.5, alpha=0.5, label="ITL p99 = target")
+    for ax in (ax_t, ax_i):
+        ax.set_xscale("log")
+        ax.set_xlabel("round budget / ITL target (ms) (triangles: factor x decode step)")
+    ax_t.set_ylabel("1M-token prompt TTFT (s)")
+    ax_t.set_title("TTFT of the 1M prompt (dashed: stock, dotted: alone)")
+    ax_i.set_yscale("log")
+    ax_i.set_ylabel("decode ITL p99 during the prefill (ms)")
+    ax_i.set_title("decode ITL p99 (dashed: stock+mixed)")
+    ax_t.legend(fontsize=8)
+    ax_i.legend(fontsize=8)
+    fig.suptitle(f"H200 TP8, {streams} decode streams + a 1M-token prompt: the serial budget")
+    save_png(fig, OUT / "curve.png", dpi=110)
+
+
+# --- (C) two long prefills in flight -------------------------------------------------------------
+
+
+def serial_term_throughput_aware(model: KimiLinearH200, slices: Sequence[Slice]) -> float:
+    """The KDA chain's time of a round if the kernel's programs are counted: the longest chain
+    (serial latency per chunk step) or the work of every slice's chunk-heads at the measured
+    throughput, whichever is longer. ``predict`` takes only the first; this is the check."""
+    steps = [kda_steps_abs(s.prefix, s.extend) for s in slices]
+    heads = C.KDA_HEADS / model.tp
+    serial = max(steps, default=0) * C.KDA_SERIAL_S
+    thru = sum(steps) * heads * C.KDA_PER_HEAD_CHUNK_S
+    return max(serial, thru) * C.KDA_LAYERS
+
+
+def round_cost(model: KimiLinearH200, slices: Sequence[Slice], aware: bool) -> float:
+    t = model.predict(BatchShape((), tuple(slices)))
+    if aware:
+        steps = max(kda_steps_abs(s.prefix, s.extend) for s in slices)
+        t += (
+            serial_term_throughput_aware(model, slices) - steps * C.KDA_LAYERS * model.kda_chunk_s()
+        )
+    return t
+
+
+def run_rounds(
+    model: KimiLinearH200,
+    prompts: Sequence[tuple[float, int]],
+    per_slice: int,
+    together: bool,
+    aware: bool = False,
+) -> tuple[list[float], int, float]:
+    """Prefill ``prompts`` ((arrival, tokens), ...) on an otherwise idle rank. ``together``:
+    every arrived unfinished prompt takes a slice of ``per_slice`` tokens each round (cut on the
+    64-token grid); else one prompt per round in arrival order (today's scheduler). Returns the
+    TTFTs (end of the round that finishes each prompt, from its arrival), the rounds and the
+    longest round."""
+    done = [0] * len(prompts)
+    finish = [math.nan] * len(prompts)
+    now, rounds, longest = 0.0, 0, 0.0
+    while any(math.isnan(f) for f in finish):
+        live = [i for i, (a, n) in enumerate(prompts) if a <= now and done[i] < n]
+        if not live:
+            now = min(a for i, (a, n) in enumerate(prompts) if done[i] < n)
+            continue
+        if not together:
+            live = live[:1]
+        sl = []
+        for i in live:
+            n = prompts[i][1]
+            take = min(per_slice, n - done[i])
+            end = done[i] + take
+            if end < n:
+                end = end // PAGE * PAGE
+            sl.append((i, Slice(done[i], end - done[i])))
+        dt = round_cost(model, [s for _, s in sl], aware)
+        now += dt
+        rounds += 1
+        longest = max(longest, dt)
+        for i, s in sl:
+            done[i] += s.extend
+            if done[i] >= prompts[i][1]:
+                finish[i] = now
+    return [f - a for f, (a, _) in zip(finish, prompts, strict=True)], rounds, longest
+
+
+def tokens_in_budget(model, prefix: int, budget_s: float, n_slices: int, aware: bool) -> int:
+    """Prefill tokens a round of ``budget_s`` (no decode) takes with ``n_slices`` equal slices,
+    each starting at ``prefix`` (to the token: the cost ratio, not the grid's rounding)."""
+    lo, hi = 0, 1 << 17
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if round_cost(model, [Slice(prefix, mid)] * n_slices, aware) <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * n_slices
+
+
+def exp_concurrent(args) -> None:
+    model = KimiLinearH200(8)
+    t_all = time.monotonic()
+    n = args.pair_tokens
+    prompts = [(0.0, n), (args.pair_gap_s, n)]
+    rows = []
+    # Today's scheduler in the simulator: one chunked request per round, the second waits.
+    tr = T.Trace(
+        [
+            T.TraceRequest("a", 1, t=prompts[0][0], segments=(("docA", n),)),
+            T.TraceRequest("b", 1, t=prompts[1][0], segments=(("docB", n),)),
+        ],
+        vocab=VOCAB,
+        name="pair",
+    )
+    for chunk in args.pair_chunks:
+        res = simulate(tr, KDA.config(chunk), model)
+        by = {r.rid: r for r in res.requests}
+        sim = [by["a"].ttft, by["b"].ttft]
+        for aware in (False, True):
+            one = run_rounds(model, prompts, chunk, together=False, aware=aware)
+            for label, per, tog in (
+                ("one after the other", chunk, False),
+                (f"together, {chunk} each", chunk, True),
+                (f"together, {chunk // 2} each", chunk // 2, True),
+            ):
+                ttft, rounds, longest = (
+                    one if not tog else run_rounds(model, prompts, per, together=True, aware=aware)
+                )
+                rows.append(
+                    {
+                        "chunk": chunk,
+                        "pricing": "throughput-aware" if aware else "predict()",
+                        "schedule": label,
+                        "ttft_a_s": ttft[0],
+                        "ttft_b_s": ttft[1],
+                        "ttft_mean_s": sum(ttft) / 2,
+                        "makespan_s": max(ttft[0], ttft[1] + prompts[1][0]),
+                        "rounds": rounds,
+                        "longest_round_ms": longest * 1e3,
+                        "sim_ttft_a_s": sim[0] if not tog else "",
+                        "sim_ttft_b_s": sim[1] if not tog else "",
+                    }
+                )
+                print(
+                    f"[concurrent] chunk {chunk} {rows[-1]['pricing']:16s} {label:24s} TTFT A "
+                    f"{ttft[0]:.2f} s B {ttft[1]:.2f} s mean {sum(ttft) / 2:.2f} s, longest round "
+                    f"{longest * 1e3:.0f} ms"
+                    + (f" (simulator: {sim[0]:.2f} / {sim[1]:.2f})" if not tog else ""),
+                    flush=True,
+                )
+    # What a round costs with one slice vs two, and what a time budget buys.
+    parts = []
+    for prefix in (0, n // 2, n - CHUNK):
+        one = model.predict(BatchShape((), (Slice(prefix, CHUNK),)))
+        two = model.predict(BatchShape((), (Slice(prefix, CHUNK),) * 2))
+        steps = kda_steps_abs(prefix, CHUNK)
+        chain = steps * C.KDA_LAYERS * model.kda_chunk_s()
+        attn = model._attn_s(CHUNK * (prefix + CHUNK / 2))
+        parts.append(
+            {
+                "prefix": prefix,
+                "one_slice_ms": one * 1e3,
+                "two_slices_ms": two * 1e3,
+                "ratio": two / one,
+                "kda_chain_ms": chain * 1e3,
+                "per_token_ms": model.per_token * CHUNK * 1e3,
+                "mla_attn_ms": attn * 1e3,
+                "overhead_ms": model.coef.overhead * 1e3,
+            }
+        )
+    budget_rows = []
+    for budget_ms in (25, 50, 100):
+        for prefix in (0, n // 2):
+            r = {"budget_ms": budget_ms, "prefix": prefix}
+            for aware in (False, True):
+                k1 = tokens_in_budget(model, prefix, budget_ms / 1e3, 1, aware)
+                k2 = tokens_in_budget(model, prefix, budget_ms / 1e3, 2, aware)
+                tag = "aware" if aware else "predict"
+                r[f"one_slice_tokens_{tag}"] = k1
+                r[f"two_slices_tokens_{tag}"] = k2
+                r[f"gain_pct_{tag}"] = 100.0 * (k2 / k1 - 1) if k1 else math.nan
+            budget_rows.append(r)
+    OUT.mkdir(parents=True, exist_ok=True)
+    harness.write_csv(OUT / "concurrent.csv", rows, digits=4)
+    harness.write_csv(OUT / "concurrent_round.csv", parts, digits=4)
+    harness.write_csv(OUT / "concurrent_budget.csv", budget_rows, digits=4)
+    plot_concurrent(rows)
+    wall = time.monotonic() - t_all
+    cols = (
+        ("chunk", "chunk", "{}"),
+        ("pricing", "pricing", "{}"),
+        ("schedule", "schedule", "{}"),
+        ("ttft_a_s", "TTFT A (s)", "{:.2f}"),
+        ("ttft_b_s", "TTFT B (s)", "{:.2f}"),
+        ("ttft_mean_s", "mean (s)", "{:.2f}"),
+        ("makespan_s", "both done at (s)", "{:.2f}"),
+        ("longest_round_ms", "longest round (ms)", "{:.0f}"),
+        ("sim_ttft_a_s", "simulator A (s)", "{:.2f}"),
+        ("sim_ttft_b_s", "simulator B (s)", "{:.2f}"),
+    )
+    pcols = (
+        ("prefix", "slice start", "{}"),
+        ("one_slice_ms", "one 8192 slice (ms)", "{:.1f}"),
+        ("two_slices_ms", "two 8192 slices (ms)", "{:.1f}"),
+        ("ratio", "ratio", "{:.3f}"),
+        ("kda_chain_ms", "of which KDA chain (ms)", "{:.1f}"),
+        ("per_token_ms", "per-token (ms)", "{:.1f}"),
+        ("mla_attn_ms", "MLA attention (ms)", "{:.1f}"),
+        ("overhead_ms", "fixed (ms)", "{:.1f}"),
+    )
+    bcols = (
+        ("budget_ms", "round budget (ms)", "{}"),
+        ("prefix", "slice start", "{}"),
+        ("one_slice_tokens_predict", "1 slice: tokens", "{}"),
+        ("two_slices_tokens_predict", "2 slices: tokens", "{}"),
+        ("gain_pct_predict", "gain", "{:.1f}%"),
+        ("gain_pct_aware", "gain (throughput-aware)", "{:.1f}%"),
+    )
+    write_section(
+        "concurrent",
+        "## (C) Two long prefills in flight (issue 20 item 2)\n\n"
+        f"Two {n:,}-token prompts, A at 0 s and B at {args.pair_gap_s:g} s, on an idle TP8 "
+        "rank (no decode). *One after the other*: today's scheduler (one chunked request per "
+        "round; the simulator's kda run agrees, last columns); *together*: every round carries "
+        "a slice of each prompt, either a whole chunk each (the round has twice the tokens) or "
+        "half a chunk each (same tokens per round). Pricing: `KimiLinearH200.predict` on the "
+        "round's slices (the KDA chain term is the longest slice's, the slices' chains running "
+        "side by side: fla's state-passing kernel runs one program per (value block, sequence, "
+        "head), anchors.md; per-token MoE/projection work and MLA attention FLOPs add up), and "
+        "a throughput-aware check that also bounds the chain by every slice's chunk-heads at "
+        "the measured throughput (0.218 us per chunk-head, cuLA BENCHMARK_H200.md; not in "
+        "`predict`). "
+        f"Command: `benchmark/sim_hol.py concurrent`; runtime {wall:.1f} s.\n\n"
+        f"{md_table(rows, cols)}\n\nA round's cost, one slice vs two (8192 tokens each):\n\n"
+        f"{md_table(parts, pcols)}\n\nPrefill tokens a round of a fixed time budget (the "
+        "serial budget's regime) takes with one slice or two:\n\n"
+        f"{md_table(budget_rows, bcols)}\n",
+    )
+    print(f"[concurrent] done in {wall:.1f} s", flush=True)
+
+
+def plot_concurrent(rows: list[dict]) -> None:
+    plt = pyplot()
+    sel = [r for r in rows if r["pricing"] == "predict()"]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    xs = np.arange(len(sel))
+    ax.bar(xs - 0.2, [r["ttft_a_s"] for r in sel], 0.4, label="A (arrives 0 s)")
+    ax.bar(xs + 0.2, [r["ttft_b_s"] for r in sel], 0.4, label="B (arrives 1 s)")
+    ax.set_xticks(xs, [f"chunk {r['chunk']}\n{r['schedule']}" for r in sel], fontsize=7)
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("Two 500K prompts on H200 TP8: one after the other vs both in every round")
+    ax.legend()
+    save_png(fig, OUT / "concurrent.png", dpi=110)
+
+
+# --- the summary ---------------------------------------------------------------------------------
+
+
+def write_section(name: str, text: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.md").write_text(text.rstrip() + "\n")
+    parts = [
+        "# Head-of-line blocking, the ITL target and concurrent long prefills at H200 TP8 "
+        "costs (simulator)\n\n"
+        "Written by `benchmark/sim_hol.py` (issue 20 items 2-4). Cost model: "
+        "`sglang_kda.sim.costs.KimiLinearH200` (published Kimi Linear prefill/TPOT figures, "
+        "kernel benchmarks; sources in its docstring and `../shared/notes/anchors.md`). Each "
+        "section is rewritten by its own command.\n"
+    ]
+    for s in SECTIONS:
+        p = OUT / f"{s}.md"
+        if p.exists():
+            parts.append(p.read_text())
+    (OUT / "summary.md").write_text("\n".join(parts))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("experiment", choices=["seed", "curve", "concurrent", "all"])
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--rate", type=float, default=4.0, help="short prompts per second")
+    ap.add_argument("--n-long", type=int, default=6)
+    ap.add_argument("--long-gap-s", type=float, default=30.0, help="multi: mean gap")
+    ap.add_argument("--burst-gap-s", type=float, default=5.0, help="burst: mean gap")
+    ap.add_argument("--chunk", type=int, default=CHUNK)
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=NO_INPUT_CAP,
+        help="the simulator's input budget (default: lifted, see NO_INPUT_CAP)",
+    )
+    ap.add_argument(
+        "--targets-ms",
+        type=float,
+        nargs="+",
+        default=[10, 15, 20, 25, 35, 50, 75, 100, 150, 200],
+    )
+    ap.add_argument("--curve-chunks", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--pair-tokens", type=int, default=500_000)
+    ap.add_argument("--pair-gap-s", type=float, default=1.0)
+    ap.add_argument("--pair-chunks", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    exps = ["seed", "curve", "concurrent"] if args.experiment == "all" else [args.experiment]
+    for e in exps:
+        {"seed": exp_seed, "curve": exp_curve, "concurrent": exp_concurrent}[e](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
