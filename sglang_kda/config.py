@@ -30,7 +30,7 @@ ENV_PREFIX = "SGLANG_KDA_"
 
 POLICIES = ("kda", "stock")
 KERNELS = ("auto", "torch", "triton")
-BUDGETS = ("off", "serial")  # --kda-budget
+BUDGETS = ("auto", "serial", "off")  # --kda-budget
 SWITCH = ("on", "off")
 DEFAULT_MAX_N = 16  # --kda-max-n
 MAX_N_LIMIT = 1024  # the largest --kda-max-n accepted
@@ -239,21 +239,22 @@ class KDAConfig:
         "reported by `/server_info`).",
     )
     budget: str = choice_flag(
-        "off",
+        "auto",
         BUDGETS,
         "`serial`: plan every round by predicted time (serial KDA steps, MLA attention, "
         "per-token cost; sglang_kda/policy/budget.py) and prefill deadlines: decode keeps "
         "`--kda-itl-target-ms` while a prefill has slack, slices grow as slack runs out, up to "
         "running alone; decode rides along in mixed rounds. Needs `--kda-policy kda`, a model with "
-        "KDA layers, chunked prefill and one TP rank (otherwise SGLang schedules, with a "
-        "warning). `off`: SGLang's token budgets.",
+        "KDA layers and chunked prefill (otherwise SGLang schedules, with a warning). `auto` "
+        "(default): `serial` under `--kda-policy kda`, `off` under `stock`. `off`: SGLang's token "
+        "budgets (short requests still enter beside a long prefill under `--kda-policy kda`).",
     )
     itl_target_ms: float = flag(
         0.0,
         milliseconds(positive=False),
         "ms >= 0",
-        "Time budget of a round under `--kda-budget serial`; `0` = 1.2x the predicted "
-        "decode-only step of the running batch.",
+        "Time budget of a round under the serial budget; `0` = the larger of 50 ms and 2x the "
+        "predicted decode-only step of the running batch (docs/defaults.md says why).",
     )
     pace_every: int = flag(
         0,
@@ -322,6 +323,11 @@ class KDAConfig:
         environ = os.environ if environ is None else environ
         values = {f.name: environ[env_of(f.name)] for f in fields(cls) if env_of(f.name) in environ}
         return cls(**values)
+
+    @property
+    def budget_on(self) -> bool:
+        """Whether the serial budget plans rounds (``--kda-budget`` resolved against the policy)."""
+        return self.budget == "serial" or (self.budget == "auto" and self.policy == "kda")
 
     def resolved_kernel(self, on_cuda: bool) -> str:
         if self.kernel == "auto":

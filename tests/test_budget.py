@@ -39,7 +39,16 @@ MODEL = CostModel(
     kda_layers=3,
     mla_layers=1,
 )
-CFG = BudgetConfig(ttft_deadline_s=10.0, deadline_s_per_1k=1.0, grid=64, max_slice=4096)
+# The round budget these cases were written for: 1.2x the decode step (the default before issue
+# 20); round_budget's own defaults are tested below.
+CFG = BudgetConfig(
+    ttft_deadline_s=10.0,
+    deadline_s_per_1k=1.0,
+    grid=64,
+    max_slice=4096,
+    itl_factor=1.2,
+    itl_floor_s=0,
+)
 DECODE = [500, 800, 1200, 300]
 
 
@@ -62,9 +71,16 @@ def test_slack_arithmetic_by_hand():
     assert slack(MODEL, p, 12.0, CFG) == pytest.approx(50.0 - 12.0 - alone2)
 
 
-def test_round_budget_defaults_to_1_2x_decode_step():
-    b = round_budget(MODEL, DECODE, CFG)
-    assert b == pytest.approx(1.2 * MODEL.predict(BatchShape.of(DECODE)))
+def test_round_budget_defaults_to_2x_decode_step_at_least_50_ms():
+    step = MODEL.predict(BatchShape.of(DECODE))  # 21 ms: 2x is under the 50 ms floor
+    default = BudgetConfig()
+    assert round_budget(MODEL, DECODE, default) == pytest.approx(0.05)
+    slow = [100_000] * 64  # a slow decode step: 2x it
+    assert round_budget(MODEL, slow, default) == pytest.approx(
+        2 * MODEL.predict(BatchShape.of(slow))
+    )
+    assert 2 * MODEL.predict(BatchShape.of(slow)) > 0.05
+    assert round_budget(MODEL, DECODE, CFG) == pytest.approx(1.2 * step)
     fixed = BudgetConfig(itl_target_s=0.05)
     assert round_budget(MODEL, DECODE, fixed) == 0.05
 
@@ -302,7 +318,7 @@ def test_config_rejects_nonsense():
         BudgetConfig(itl_target_s=0.0)
 
 
-# -- the wiring's view of SGLang batches (patches/scheduler.py) -----------------------------
+# -- the runtime's view of SGLang's model and requests (sglang_kda/policy/runtime.py) ---------
 
 
 class _Mode:
@@ -319,11 +335,12 @@ class _Mode:
 def test_layer_counts_from_the_model_config():
     from types import SimpleNamespace as NS
 
-    from sglang_kda.patches.scheduler import _layers
+    from sglang_kda.policy.runtime import layer_counts
 
     lac = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
-    assert _layers(NS(hf_config=NS(linear_attn_config=lac))) == (3, 1)
-    assert _layers(NS(hf_config=NS())) == (0, 0)  # no KDA layers: the budget stays off
+    assert layer_counts(lac) == (3, 1)
+    assert layer_counts(NS(**lac)) == (3, 1)
+    assert layer_counts(None) == (0, 0)  # no KDA layers: the budget stays off
 
 
 def _paced_run(cfg, p, decode, max_rounds=100_000):
@@ -453,15 +470,11 @@ def test_the_deadline_margin_follows_the_cost_models_observed_error():
 
 
 def test_the_deadline_counts_from_when_the_tokenizer_manager_took_the_request():
-    import time
-    from types import SimpleNamespace as NS
+    from sglang_kda.policy.runtime import arrival_time
 
-    from sglang_kda.patches.scheduler import _arrival
-
-    now = time.monotonic()
-    stamped = NS(time_stats=NS(created_time=time.perf_counter() - 0.25))
-    assert now - 0.3 < _arrival(stamped, now) < now - 0.2
+    now, perf_now = 1000.0, 50.0
+    assert arrival_time(perf_now - 0.25, now, perf_now) == pytest.approx(now - 0.25)
     # no stamp, or one from another clock: the queue time
-    assert _arrival(NS(time_stats=NS(created_time=0.0)), now) == now
-    assert _arrival(NS(), now) == now
-    assert _arrival(NS(time_stats=NS(created_time=time.perf_counter() + 5)), now) == now
+    assert arrival_time(0.0, now, perf_now) == now
+    assert arrival_time(perf_now + 5, now, perf_now) == now
+    assert arrival_time(perf_now - 700, now, perf_now) == now

@@ -106,7 +106,8 @@ def test_default_keep():
     ("mode", "tokens", "inflight", "expected"),
     [
         ("share", 64, True, (4096, 64, 64)),
-        ("grow", 512, True, (4096, 512, 512)),
+        ("share", 4096, True, (6144, 4096, 4096)),  # half a slice beside a full planned slice
+        ("grow", 3072, True, (5120, 3072, 3072)),
         ("burst", 192, True, (4096, 192, 192)),
         ("prefill_only", 4096, True, (4096, None, 4096)),
         ("alone", 4096, True, (4096, 4096, 4096)),
@@ -129,11 +130,10 @@ def test_planner_keeps_the_book_in_step_with_the_queue():
     planner.book.admit(MODEL, "short", 0.2, 80)
     dec = planner.decide(MODEL, 0.3, [30], [("long", 256), ("short", 0)], inflight="long")
     assert planner.book.live["long"].done == 256
-    assert dec.head is None and dec.chunk_budget == 256 and dec.cap == dec.keep
-    assert dec.plan.rid == "long"
-    assert (
-        planner.rounds == {"prefill_only": 1, dec.plan.mode: 1} or sum(planner.rounds.values()) == 2
-    )
+    # its planned slice, and half a slice of room beside it for the short prompt
+    assert dec.plan.rid == "long" and dec.plan.mode == "share" and dec.head is None
+    assert dec.keep == dec.cap == dec.plan.tokens and dec.chunk_budget == dec.plan.tokens + 128
+    assert planner.rounds == {"prefill_only": 1, "share": 1}
     assert planner.decide(MODEL, 0.4, [30], [], inflight=None) is None
 
 

@@ -3,9 +3,10 @@
 SGLang gives a waiting prefill every round, sized in tokens. Here each round has a *time*
 budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
 
-* **Round budget** (:func:`round_budget`): ``--kda-itl-target-ms``, or by default 1.2x the
-  predicted decode-only step of the running batch, so decode barely notices a prefill that has
-  time to spare.
+* **Round budget** (:func:`round_budget`): ``--kda-itl-target-ms``, or by default the larger of
+  50 ms and 2x the predicted decode-only step of the running batch (an absolute inter-token
+  latency users accept, and room for a prefill slice where decode is slow; docs/defaults.md
+  has the measured trade-off).
 * **Deadlines** (:func:`deadline_of`): every prefill must finish by
   ``arrival + ttft_deadline + per_1k * prompt_tokens / 1000`` (server defaults), or
   ``arrival + ttft_deadline_ms`` given with the request.
@@ -67,8 +68,8 @@ class BudgetConfig:
     """
 
     itl_target_s: float | None = None
-    itl_factor: float = 1.2
-    itl_floor_s: float = 0.0
+    itl_factor: float = 2.0
+    itl_floor_s: float = 0.05
     ttft_deadline_s: float = 10.0
     deadline_s_per_1k: float = 1.0
     grid: int = KDA_KERNEL_CHUNK

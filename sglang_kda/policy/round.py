@@ -108,20 +108,21 @@ def round_tokens(plan: Plan, max_slice: int, inflight: bool) -> tuple[int, Optio
     in-flight cap).
 
     Without an in-flight chunked request the plan's head is admitted first and cut at the
-    plan's tokens, as before. With one, the round's budget is the whole ``max_slice`` so that
-    short requests can enter beside the planned slice; the in-flight request takes exactly its
-    planned tokens (``share``/``grow``/``burst``), half of the round when nothing runs beside
-    it (``prefill_only``), all of it when its deadline is at risk (``alone``).
+    plan's tokens, as before. With one, short requests may enter beside it: the in-flight
+    request takes exactly its planned tokens (``share``/``grow``/``burst``) and the round's
+    budget leaves at least half of ``max_slice`` beside them; with nothing else running
+    (``prefill_only``) it keeps half of the round; when its deadline is at risk (``alone``) it
+    keeps all of it.
     """
     tokens = max(1, plan.tokens)
     if not inflight:
         return tokens, None, tokens
-    budget = max(max_slice, tokens)
     if plan.mode == "prefill_only":
+        budget = max(max_slice, tokens)
         return budget, None, budget
     if plan.mode == "alone":
-        return budget, budget, budget
-    return budget, tokens, tokens
+        return tokens, tokens, tokens
+    return max(max_slice, tokens + max_slice // 2), tokens, tokens
 
 
 @dataclass
