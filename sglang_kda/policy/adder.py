@@ -1,0 +1,155 @@
+"""sglang_kda's part of one SGLang ``PrefillAdder`` (one admission pass of one round).
+
+``patches/schedule_policy.py`` keeps an :class:`AdderRound` beside each ``PrefillAdder`` and asks
+it at each step of the pass:
+
+* **Cuts on the grid** (:meth:`AdderRound.cut`): a chunked admission's length and a continuing
+  chunk's length end on the absolute checkpoint grid
+  (:func:`sglang_kda.policy.grid.aligned_chunk_len`; never longer than what upstream chose), and
+  each cut is recorded in :data:`sglang_kda.state.RECENT_CUTS` (shown by ``/server_info``).
+* **One unfinished chunked request per round** (SGLang tracks a single ``chunked_req``): while
+  the round holds one, an admission that would be cut is turned down
+  (:meth:`AdderRound.refuse_cut`), and a request admitted chunked closes the round's chunk budget
+  (:meth:`AdderRound.closed_budget`).
+* **Twins wait** (:meth:`AdderRound.twin_waits`, ``--kda-twins``): a candidate that shares an
+  uncached prefix with a request admitted in the same round waits for its checkpoints
+  (:func:`sglang_kda.policy.admission.twin_gain`).
+* Counters of what the pass did go to :data:`sglang_kda.cache.stats.STATS`.
+
+A request turned down this way stays in the waiting queue; the state slot its match staged is
+given back (:func:`release_staged_state`, as upstream's loop does for a request it does not
+admit), so requests behind it are still considered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from sglang_kda.cache.stats import STATS
+from sglang_kda.policy.admission import Leader, twin_gain
+from sglang_kda.policy.grid import aligned_chunk_len, checkpoint_grid
+from sglang_kda.policy.round import make_room
+from sglang_kda.state import RECENT_CUTS
+
+
+@dataclass
+class AdderRound:
+    """The pass's state: grid (1: the tree cache holds no KDA states, nothing is cut) and
+    whether twins wait (``--kda-twins on``)."""
+
+    grid: int
+    twins: bool = True
+    prefix_len: int = 0  # prefix of the request whose chunk is being cut
+    round_chunked: bool = False  # the round holds an unfinished chunked request
+    refused: Any = None  # the request whose cut admission was just turned down
+    twin_waiting: bool = False  # a twin waits in this pass
+
+    def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
+        """The chunk length ending on the grid (see the module docstring), recorded."""
+        taken = aligned_chunk_len(prefix_len, budget, remaining, self.grid)
+        RECENT_CUTS.append((prefix_len, budget, remaining, taken))
+        return taken
+
+    def refuse_cut(self, req: Any) -> bool:
+        """An admission of ``req`` would be cut: turn it down while the round already holds an
+        unfinished chunked request."""
+        if self.round_chunked:
+            self.refused = req
+        return self.round_chunked
+
+    def was_refused(self, req: Any) -> bool:
+        """Whether :meth:`refuse_cut` just turned ``req`` down (counted; asked once)."""
+        if self.refused is not req:
+            return False
+        self.refused = None
+        STATS.add("passed_over_while_chunked")
+        return True
+
+    def closed_budget(self, rem_chunk_tokens: Optional[int]) -> Optional[int]:
+        """The chunk budget left once the round holds an unfinished chunked request: none."""
+        if self.grid > 1 and rem_chunk_tokens is not None:
+            return min(rem_chunk_tokens, 0)
+        return rem_chunk_tokens
+
+    @property
+    def twins_wait(self) -> bool:
+        """Whether candidates are checked for twins at all."""
+        return self.twins and self.grid > 1
+
+    def twin_waits(
+        self, ids: Sequence[int], prefix_len: int, max_prefix: int, leaders: Sequence[Leader]
+    ) -> bool:
+        """Whether a candidate (tokens, cached prefix, most it may take from the cache) waits
+        one round for the checkpoints of the requests admitted so far (``leaders``)."""
+        if not (self.twins_wait and leaders):
+            return False
+        if not twin_gain(ids, prefix_len, max_prefix, leaders, self.grid):
+            return False
+        STATS.add("twin_waits")
+        self.twin_waiting = True
+        return True
+
+    def admitted(self, n_before: int, n_after: int) -> None:
+        """Count an admission made past a waiting twin."""
+        if self.twin_waiting and n_after > n_before:
+            STATS.add("admitted_past_waiting_twin")
+
+    def checkpoint_admission(self, prefix_len: int) -> None:
+        """An admission resumed from ``prefix_len`` cached tokens (checkpoints, on the grid)."""
+        if self.grid > 1 and prefix_len > 0:
+            STATS.add("tokens_from_checkpoints_admission", prefix_len)
+
+
+def adder_grid(page_size: int, hybrid_ssm: bool) -> int:
+    """The checkpoint grid when the tree cache holds KDA/mamba states, else 1."""
+    return checkpoint_grid(page_size) if hybrid_ssm else 1
+
+
+# -- the edge: SGLang's requests ---------------------------------------------------------------
+def leaders_of(reqs: Iterable[Any]) -> list[Leader]:
+    """The requests admitted so far in the pass, as the twin rule sees them."""
+    return [Leader(r.full_untruncated_fill_ids, r.prefix_len, r.extend_end) for r in reqs]
+
+
+def waiting_work(req: Any) -> int:
+    """Tokens a waiting request would prefill (upstream's own estimate; an upper bound before
+    its prefix is matched)."""
+    return len(req.origin_input_ids) + len(req.output_ids) - (req.num_matched_prefix_tokens or 0)
+
+
+def in_flight_limit(
+    chunked_req: Any,
+    waiting_queue: Sequence[Any],
+    budget: int,
+    page_size: int,
+    hybrid_ssm: bool,
+    keep: Optional[int] = None,
+    cap: Optional[int] = None,
+) -> Optional[int]:
+    """The most tokens the in-flight chunked request takes this round so that short waiting
+    requests enter beside it (:func:`sglang_kda.policy.round.make_room`; ``None``: no limit)."""
+    room = make_room(
+        budget,
+        chunked_req.prefix_len,
+        len(chunked_req.full_untruncated_fill_ids) - chunked_req.prefix_len,
+        [waiting_work(r) for r in waiting_queue],
+        checkpoint_grid(page_size) if hybrid_ssm else page_size,
+        page_size,
+        keep=keep,
+        cap=cap,
+    )
+    if room.admitted:
+        STATS.add("rounds_made_room")
+    return room.limit
+
+
+def release_staged_state(tree_cache: Any, req: Any) -> None:
+    """Undo what the request's match staged for this round (upstream's scheduler loop does the
+    same for a request ``add_one_req`` turns down): the deferred copy-on-write of the matched
+    state and the fresh state slot it was to go into (not a session's slot)."""
+    req.kv.mamba_cow_src_index = None
+    req.kv.mamba_needs_clear = False
+    if req.kv.holds_mamba and not getattr(req, "session", None):
+        tree_cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+        req.kv.mamba_pool_idx = None

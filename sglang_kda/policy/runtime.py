@@ -1,0 +1,395 @@
+"""The serial budget in one scheduler process: its planner, its cost model, its metrics.
+
+``patches/scheduler.py`` wires this into SGLang's ``Scheduler``; everything that decides or
+remembers lives here, so it can be tested without a server:
+
+* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.round.RoundPlanner`), the
+  online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`) and what the server
+  reports under ``/server_info`` ``sglang_kda.budget``. It admits a request (its deadline, and
+  whether it is infeasible even alone), plans a round, learns from each timed step and books a
+  prefill's progress and finish.
+* The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
+  model/device/dtype, :func:`sglang_kda.policy.cost_model.default_cache_path`) and saved after
+  :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
+* Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``), registered once per
+  process, only where SGLang runs with metrics (``PROMETHEUS_MULTIPROC_DIR`` set).
+
+The methods take plain values (ids, token counts, seconds); the functions at the end of the
+module are the thin edge that reads them off SGLang's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+from sglang_kda.policy.budget import BudgetConfig
+from sglang_kda.policy.cost_model import (
+    BatchShape,
+    CostModel,
+    OnlineFit,
+    cache_key,
+    default_cache_path,
+)
+from sglang_kda.policy.grid import checkpoint_grid
+from sglang_kda.policy.round import Decision, RoundPlanner
+
+logger = logging.getLogger(__name__)
+
+FIRST_SAVE = 32  # the fitted cost model is saved after this many steps ...
+SAVE_EVERY = 200  # ... and every this many
+DRIFT_LOG_EVERY = 100  # steps between two drift warnings
+DEADLINE_FIELD = "sampling_params.custom_params.ttft_deadline_ms"
+
+# -- metrics -------------------------------------------------------------------------------------
+_PROM: dict | None = None
+
+
+def _prom() -> dict:
+    """This process's metrics, registered on first use (empty without SGLang's metrics)."""
+    global _PROM
+    if _PROM is None:
+        _PROM = {}
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import Counter, Gauge, Histogram
+
+            p = "sglang_kda_budget_"
+            _PROM["rounds"] = Counter(p + "rounds", "Rounds planned, by mode", ["mode"])
+            _PROM["met"] = Counter(p + "deadlines_met", "Prefills finished by their deadline")
+            _PROM["missed"] = Counter(p + "deadlines_missed", "Prefills finished late")
+            _PROM["infeasible"] = Counter(
+                p + "infeasible", "Prefills that could not meet their deadline even alone"
+            )
+            _PROM["rejected"] = Counter(p + "rejected", "Infeasible prefills refused (400)")
+            _PROM["slack"] = Histogram(
+                p + "slack_at_completion_seconds",
+                "Deadline minus finish time of each prefill (negative: late)",
+                buckets=(-60, -10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
+            )
+            _PROM["err"] = Gauge(
+                "sglang_kda_cost_model_error",
+                "Relative prediction error of the cost model on real steps (EMA)",
+                multiprocess_mode="livemax",
+            )
+            _PROM["steps"] = Counter("sglang_kda_cost_model_steps", "Steps fed to the cost model")
+            _PROM["drift"] = Counter(
+                "sglang_kda_cost_model_drift", "Steps observed while the prediction error drifts"
+            )
+    return _PROM
+
+
+def _inc(name: str, value: float = 1, **labels: str) -> None:
+    m = _prom().get(name)
+    if m is not None:
+        (m.labels(**labels) if labels else m).inc(value)
+
+
+# -- plain facts about a model and a request -----------------------------------------------------
+def layer_counts(linear_attn_config: Any) -> tuple[int, int]:
+    """(KDA layers, full-attention layers) from a Kimi-Linear ``linear_attn_config`` (a dict or
+    an object; ``None``: a model without KDA layers)."""
+    lac = linear_attn_config or {}
+    if not isinstance(lac, dict):
+        lac = dict(getattr(lac, "__dict__", {}))
+    return len(lac.get("kda_layers") or ()), len(lac.get("full_attn_layers") or ())
+
+
+def deadline_override_s(custom_params: Any) -> Optional[float]:
+    """The request's own deadline (``custom_params.ttft_deadline_ms``) in seconds, if given
+    (validated by the tokenizer manager's request gate before it gets here)."""
+    if isinstance(custom_params, dict) and custom_params.get("ttft_deadline_ms") is not None:
+        return float(custom_params["ttft_deadline_ms"]) / 1e3
+    return None
+
+
+def arrival_time(created: float, now: float, perf_now: float) -> float:
+    """When the request reached the server, on the clock of ``now`` (``time.monotonic``).
+
+    The tokenizer manager stamps ``created`` (``time.perf_counter``, system-wide monotonic on
+    Linux) when it takes the request, before tokenizing it and handing it over; the deadline
+    counts from there, as the client's TTFT does. ``now`` where the stamp is missing (0) or
+    implausible (in the future, or more than ten minutes old)."""
+    waited = perf_now - created
+    return now - waited if created > 0 and 0 <= waited < 600 else now
+
+
+def why_off(kda_layers: int, chunked_prefill_size: Optional[int], tp_size: int) -> Optional[str]:
+    """Why the budget cannot run in this scheduler (``None``: it can)."""
+    if kda_layers == 0:
+        return "the model has no KDA layers"
+    if not chunked_prefill_size:
+        return "chunked prefill is off"
+    if tp_size > 1:
+        return "TP > 1 (ranks would plan from different clocks)"
+    return None
+
+
+def budget_config(kcfg: Any, page_size: int, chunked_prefill_size: int) -> BudgetConfig:
+    """The budget's settings from the ``--kda-*`` flags (a :class:`sglang_kda.config.KDAConfig`)
+    and the scheduler's page and chunk sizes: slices end on the checkpoint grid and take at
+    most the chunk size, rounded down to the grid."""
+    grid = checkpoint_grid(page_size)
+    return BudgetConfig(
+        itl_target_s=kcfg.itl_target_ms / 1e3 or None,
+        ttft_deadline_s=kcfg.ttft_deadline_ms / 1e3,
+        deadline_s_per_1k=kcfg.deadline_ms_per_1k_tokens / 1e3,
+        grid=grid,
+        max_slice=max(grid, chunked_prefill_size // grid * grid),
+        pace_every=kcfg.pace_every,
+    )
+
+
+def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
+    """The cost model saved at ``path`` with this model's layer counts, or the default one when
+    there is no usable file (the online fit then learns it from scratch)."""
+    mla = max(1, mla_layers)
+    if os.path.exists(path):
+        try:
+            loaded = CostModel.load(path)
+            logger.info("cost model loaded from %s", path)
+            return CostModel(loaded.coef, kda_layers=kda_layers, mla_layers=mla)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("cost model file %s unusable (%s); fitting from scratch", path, e)
+    return CostModel(kda_layers=kda_layers, mla_layers=mla)
+
+
+# -- the runtime ---------------------------------------------------------------------------------
+@dataclass
+class BudgetRuntime:
+    """The budget's state in one scheduler process.
+
+    cfg: the budget's settings; fit: the cost model and its online fit; planner: the deadline
+    book, pacing count and last plan; reject: refuse infeasible prefills (``--kda-reject-
+    infeasible on``); path: the cost-model file.
+    """
+
+    cfg: BudgetConfig
+    fit: OnlineFit
+    planner: RoundPlanner
+    reject: bool
+    path: str
+    step_start: Optional[float] = None
+    step_shape: Optional[BatchShape] = None
+    last_drift_log: int = -(10**9)
+
+    @property
+    def book(self):
+        return self.planner.book
+
+    @property
+    def model(self) -> CostModel:
+        return self.fit.model
+
+    def admit(
+        self,
+        rid: str,
+        now: float,
+        total: int,
+        override_s: Optional[float] = None,
+        arrival: Optional[float] = None,
+    ) -> Optional[str]:
+        """Book a new prefill of ``total`` prompt tokens; flag it when it cannot meet its deadline
+        even alone. Returns the abort message when it is refused (``reject``), else ``None``."""
+        if rid in self.book.live:
+            return None
+        p, infeasible = self.book.admit(self.model, rid, now, total, 0, override_s, arrival)
+        if not infeasible:
+            return None
+        _inc("infeasible")
+        alone = self.model.alone_time(0, total, self.cfg.max_slice)
+        msg = (
+            f"ttft deadline {(p.deadline - now) * 1e3:.0f} ms cannot be met: the {total}-token "
+            f"prompt needs about {alone * 1e3:.0f} ms alone ({DEADLINE_FIELD})"
+        )
+        logger.warning("infeasible prefill %s: %s", rid, msg)
+        if not self.reject:
+            return None
+        _inc("rejected")
+        self.book.drop(rid)
+        return msg
+
+    def decide(
+        self,
+        now: float,
+        decode_ctx: Sequence[int],
+        queue: Iterable[tuple[str, int]],
+        inflight: Optional[str],
+    ) -> Optional[Decision]:
+        """Plan the round (:meth:`RoundPlanner.decide` with this process's cost model and its
+        recent error); ``None``: nothing to prefill, upstream's round runs."""
+        dec = self.planner.decide(
+            self.model, now, decode_ctx, queue, inflight=inflight, error=self.fit.error_ema
+        )
+        if dec is not None:
+            _inc("rounds", mode=dec.plan.mode)
+        return dec
+
+    def step_ran(self, shape: Optional[BatchShape], seconds: float) -> None:
+        """A step of ``shape`` took ``seconds``: fit the cost model, and turn pacing on when a
+        shared round overshot its budget."""
+        if shape is None:
+            return
+        self.observe(shape, seconds)
+        self.planner.observed(seconds, bool(shape.slices), bool(shape.decode_ctx))
+
+    def observe(self, shape: BatchShape, seconds: float) -> None:
+        """Feed one timed step to the online fit; log drift; save the model now and then."""
+        f = self.fit
+        f.observe(shape, seconds)
+        _inc("steps")
+        m = _prom().get("err")
+        if m is not None and f.error_ema is not None:
+            m.set(f.error_ema)
+        if f.drifting:
+            _inc("drift")
+            if f.n_observed - self.last_drift_log >= DRIFT_LOG_EVERY:
+                self.last_drift_log = f.n_observed
+                logger.warning(
+                    "cost model drifts: relative error %.0f%% (EMA over real steps); refitting",
+                    100 * f.error_ema,
+                )
+        if f.n_observed == FIRST_SAVE or f.n_observed % SAVE_EVERY == 0:
+            try:
+                f.model.save(self.path, key=os.path.basename(self.path))
+            except OSError as e:
+                logger.warning("cost model not saved to %s: %s", self.path, e)
+
+    def prefill_progress(self, rid: str, done: int) -> None:
+        """A chunked prefill has ``done`` prompt tokens after a step."""
+        self.book.progress(rid, done)
+
+    def prefill_finished(self, rid: str, now: float) -> None:
+        """A prefill finished at ``now``: its deadline met or missed, and its slack."""
+        res = self.book.finish(rid, now)
+        if res is None:
+            return
+        met, left = res
+        _inc("met" if met else "missed")
+        h = _prom().get("slack")
+        if h is not None:
+            h.observe(left)
+
+    def report(self) -> dict:
+        """What ``/server_info`` shows under ``sglang_kda.budget``."""
+        f = self.fit
+        plan = self.planner.last_plan
+        return {
+            "mode": "serial",
+            "itl_target_ms": (self.cfg.itl_target_s or 0) * 1e3,
+            "rounds": dict(self.planner.rounds),
+            "deadlines": self.book.stats.as_dict(),
+            "live": len(self.book.live),
+            "cost_model": {
+                "file": self.path,
+                "steps": f.n_observed,
+                "error_ema": f.error_ema,
+                "coefficients": f.model.coef.__dict__,
+            },
+            "last_plan": None if plan is None else plan.__dict__,
+        }
+
+
+def open_runtime(
+    kcfg: Any,
+    *,
+    kda_layers: int,
+    mla_layers: int,
+    chunked_prefill_size: Optional[int],
+    page_size: int,
+    tp_size: int,
+    model_path: str,
+    device: str,
+    dtype: str,
+) -> Optional[BudgetRuntime]:
+    """The runtime for one scheduler, or ``None`` (logged) where the budget cannot run."""
+    why = why_off(kda_layers, chunked_prefill_size, tp_size)
+    if why:
+        logger.warning("--kda-budget serial: stock scheduling, %s", why)
+        return None
+    cfg = budget_config(kcfg, page_size, chunked_prefill_size)
+    path = kcfg.cost_model or str(default_cache_path(cache_key(model_path, device, dtype)))
+    model = load_cost_model(path, kda_layers, mla_layers)
+    logger.info(
+        "--kda-budget serial: grid %d, slices <= %d tokens, cost model file %s",
+        cfg.grid,
+        cfg.max_slice,
+        path,
+    )
+    return BudgetRuntime(
+        cfg=cfg,
+        fit=OnlineFit(model),
+        planner=RoundPlanner(cfg),
+        reject=kcfg.reject_infeasible == "on",
+        path=path,
+    )
+
+
+# -- the edge: plain values off SGLang's objects ------------------------------------------------
+def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
+    """The scheduler's budget runtime, built on first use (``sched._kda_budget``, which
+    :mod:`sglang_kda.report` reads); ``None`` where the budget does not apply. Building it turns
+    SGLang's mixed chunks on: from then on each round's plan decides whether decode mixes in."""
+    st = getattr(sched, "_kda_budget", False)
+    if st is not False:
+        return st
+    from sglang_kda.config import KDAConfig
+
+    st = None
+    try:
+        mc = sched.model_config
+        lac = getattr(getattr(mc, "hf_config", None), "linear_attn_config", None)
+        kda, mla = layer_counts(lac)
+        st = open_runtime(
+            KDAConfig.from_env(),
+            kda_layers=kda,
+            mla_layers=mla,
+            chunked_prefill_size=sched.chunked_prefill_size,
+            page_size=sched.page_size,
+            tp_size=getattr(sched, "tp_size", 1),
+            model_path=getattr(mc, "model_path", "model"),
+            device=str(getattr(sched, "device", "cpu")),
+            dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
+        )
+        if st is not None:
+            sched.is_mixed_chunk = True  # per round, the plan decides
+    finally:
+        sched._kda_budget = st
+    return st
+
+
+def request_facts(req: Any, now: float) -> tuple[int, Optional[float], float]:
+    """A new request's (prompt tokens, own deadline in seconds or ``None``, arrival)."""
+    created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    arrival = arrival_time(created, now, time.perf_counter())
+    return len(req.origin_input_ids), deadline_override_s(custom), arrival
+
+
+def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
+    """The planner's view of the queue: (rid, prompt tokens done) of every waiting request,
+    then the in-flight chunked one (its progress is booked after each step, so 0 here); and the
+    in-flight rid."""
+    chunked = sched.chunked_req
+    queue = [(r.rid, getattr(r, "prefix_len", 0) or 0) for r in sched.waiting_queue]
+    if chunked is not None:
+        queue.append((chunked.rid, 0))
+    return queue, (chunked.rid if chunked is not None else None)
+
+
+def prefills_in(batch: Any) -> list[tuple[str, Optional[int]]]:
+    """The prefills of an extend batch after it ran: (rid, prompt tokens done) of the chunked
+    request, (rid, ``None``) of each one whose prefill is complete; decode requests of a mixed
+    batch left out."""
+    dec = set(map(id, batch.decoding_reqs or ()))
+    out: list[tuple[str, Optional[int]]] = []
+    for i, req in enumerate(batch.reqs):
+        if id(req) in dec:
+            continue
+        if req is batch.chunked_req:
+            out.append((req.rid, int(batch.prefix_lens[i]) + int(batch.extend_lens[i])))
+        else:
+            out.append((req.rid, None))
+    return out

@@ -1,0 +1,178 @@
+"""The serial budget's runtime in one scheduler process (:mod:`sglang_kda.policy.runtime`) and
+the prefill adder's round state (:mod:`sglang_kda.policy.adder`), without a server: plain
+values in, decisions and bookkeeping out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace as NS
+
+import pytest
+
+from sglang_kda.cache.stats import STATS
+from sglang_kda.config import KDAConfig
+from sglang_kda.policy import runtime as rt
+from sglang_kda.policy.adder import AdderRound, adder_grid, leaders_of
+from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
+from sglang_kda.state import RECENT_CUTS
+
+COEF = Coefficients(overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_prefill_round=1e-3)
+
+
+def _runtime(tmp_path, **flags) -> rt.BudgetRuntime:
+    kcfg = KDAConfig(policy="kda", budget="serial", cost_model=str(tmp_path / "cm.json"), **flags)
+    st = rt.open_runtime(
+        kcfg,
+        kda_layers=3,
+        mla_layers=1,
+        chunked_prefill_size=1024,
+        page_size=1,
+        tp_size=1,
+        model_path="/models/tiny",
+        device="cpu",
+        dtype="float32",
+    )
+    assert st is not None
+    st.fit.model = CostModel(COEF, kda_layers=3, mla_layers=1)
+    return st
+
+
+@pytest.mark.parametrize(
+    "kda,chunk,why",
+    [(0, 1024, "no KDA layers"), (3, None, "chunked prefill is off"), (3, 0, "chunked")],
+)
+def test_the_budget_stays_off_where_it_cannot_run(kda, chunk, why):
+    assert why in rt.why_off(kda, chunk, 1)
+    assert rt.why_off(3, 1024, 1) is None
+
+
+def test_slices_end_on_the_grid_and_take_at_most_the_chunk():
+    kcfg = KDAConfig(itl_target_ms=50)
+    cfg = rt.budget_config(kcfg, page_size=1, chunked_prefill_size=1000)
+    assert (cfg.grid, cfg.max_slice, cfg.itl_target_s) == (64, 960, 0.05)
+    assert rt.budget_config(kcfg, 128, 100).max_slice == 128  # at least one grid step
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_refused_naming_the_field(tmp_path):
+    st = _runtime(tmp_path, reject_infeasible="on")
+    assert st.admit("ok", now=100.0, total=500, override_s=600.0, arrival=100.0) is None
+    msg = st.admit("tight", now=100.0, total=5000, override_s=0.001, arrival=100.0)
+    assert "cannot be met" in msg and rt.DEADLINE_FIELD in msg and "5000-token" in msg
+    assert set(st.book.live) == {"ok"}  # the refused one is not booked
+    assert st.book.stats.infeasible == 1
+
+
+def test_without_reject_an_infeasible_request_runs_flagged(tmp_path):
+    st = _runtime(tmp_path)
+    assert st.admit("tight", now=100.0, total=5000, override_s=0.001) is None
+    assert "tight" in st.book.live and st.book.stats.infeasible == 1
+    # a request already booked (queued again) keeps its first deadline
+    deadline = st.book.live["tight"].deadline
+    assert st.admit("tight", now=200.0, total=5000) is None
+    assert st.book.live["tight"].deadline == deadline and st.book.stats.admitted == 1
+
+
+def test_a_prefills_progress_and_finish_are_booked(tmp_path):
+    st = _runtime(tmp_path)
+    st.admit("a", now=0.0, total=3000)
+    st.prefill_progress("a", 1024)
+    assert st.book.live["a"].done == 1024
+    st.prefill_finished("a", now=1.0)
+    st.prefill_finished("unknown", now=1.0)  # not booked (e.g. admitted before a restart)
+    rep = st.report()
+    assert rep["deadlines"]["met"] == 1 and rep["live"] == 0 and rep["mode"] == "serial"
+    assert rep["cost_model"]["file"] == str(tmp_path / "cm.json")
+
+
+def test_the_fitted_model_is_saved_after_the_first_steps_and_loaded_next_time(tmp_path):
+    st = _runtime(tmp_path)
+    shape = BatchShape((100, 200), (Slice(0, 256),))
+    for i in range(rt.FIRST_SAVE):
+        st.step_ran(shape, 0.05 + 1e-4 * i)
+    assert st.report()["cost_model"]["steps"] == rt.FIRST_SAVE
+    saved = json.loads((tmp_path / "cm.json").read_text())
+    assert saved["kda_layers"] == 3
+    again = rt.load_cost_model(str(tmp_path / "cm.json"), kda_layers=5, mla_layers=0)
+    assert again.coef == st.fit.model.coef and (again.kda_layers, again.mla_layers) == (5, 1)
+
+
+def test_an_unusable_cost_model_file_means_fitting_from_scratch(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert rt.load_cost_model(str(bad), 3, 1).coef == Coefficients()
+    assert rt.load_cost_model(str(tmp_path / "missing.json"), 3, 1).coef == Coefficients()
+
+
+def test_a_shared_round_that_overshoots_turns_pacing_on(tmp_path):
+    st = _runtime(tmp_path, itl_target_ms=1, pace_every=4)
+    st.admit("long", now=0.0, total=3000, override_s=600.0)
+    dec = st.decide(0.0, [100, 100], [("long", 0)], inflight=None)
+    assert dec is not None and dec.plan.mode in ("share", "burst", "pace", "grow")
+    st.planner.last_plan = dataclasses.replace(dec.plan, mode="share")
+    st.step_ran(BatchShape((100, 100), (Slice(0, 64),)), seconds=10.0)
+    assert st.planner.slice_overshoot
+    st.step_ran(None, 1.0)  # a batch whose lengths could not be read: nothing learnt
+    assert st.fit.n_observed == 1
+
+
+def test_request_facts_read_the_tokenizer_managers_stamp():
+    req = NS(
+        origin_input_ids=[1] * 300,
+        sampling_params=NS(custom_params={"ttft_deadline_ms": 2500}),
+        time_stats=NS(created_time=0.0),
+    )
+    total, override_s, arrival = rt.request_facts(req, now=42.0)
+    assert (total, override_s, arrival) == (300, 2.5, 42.0)
+    assert rt.deadline_override_s(None) is None and rt.deadline_override_s({}) is None
+
+
+def test_the_prefills_of_a_batch_after_it_ran():
+    chunked, done, decoding = NS(rid="c"), NS(rid="d"), NS(rid="x")
+    batch = NS(
+        reqs=[done, chunked, decoding],
+        decoding_reqs=[decoding],
+        chunked_req=chunked,
+        prefix_lens=[0, 128],
+        extend_lens=[50, 64],
+    )
+    assert rt.prefills_in(batch) == [("d", None), ("c", 192)]
+
+
+def test_the_planners_queue_lists_the_in_flight_request_last():
+    sched = NS(waiting_queue=[NS(rid="w1", prefix_len=64), NS(rid="w2")], chunked_req=NS(rid="c"))
+    assert rt.round_queue(sched) == ([("w1", 64), ("w2", 0), ("c", 0)], "c")
+    sched.chunked_req = None
+    assert rt.round_queue(sched)[1] is None
+
+
+# -- the prefill adder's round ---------------------------------------------------------------------
+def test_cuts_end_on_the_grid_and_are_recorded():
+    st = AdderRound(adder_grid(1, hybrid_ssm=True))
+    assert st.grid == 64 and adder_grid(1, hybrid_ssm=False) == 1
+    assert st.cut(prefix_len=100, budget=200, remaining=1000) == 156  # ends at 256
+    assert RECENT_CUTS[-1] == (100, 200, 1000, 156)
+
+
+def test_one_unfinished_chunked_request_per_round():
+    st = AdderRound(64)
+    req = object()
+    assert not st.refuse_cut(req) and not st.was_refused(req)
+    st.round_chunked = True
+    before = STATS.as_dict().get("passed_over_while_chunked", 0)
+    assert st.refuse_cut(req)
+    assert st.was_refused(req) and not st.was_refused(req)  # asked once
+    assert STATS.as_dict()["passed_over_while_chunked"] == before + 1
+    assert st.closed_budget(300) == 0 and st.closed_budget(None) is None
+    assert AdderRound(1).closed_budget(300) == 300  # no KDA states: upstream's budget
+
+
+def test_a_twin_waits_for_the_leader_admitted_this_round():
+    shared = list(range(1000))
+    leader = NS(full_untruncated_fill_ids=shared + [1, 2], prefix_len=0, extend_end=1002)
+    st = AdderRound(64)
+    assert st.twin_waits(shared + [7, 8], 0, 1001, leaders_of([leader]))
+    assert st.twin_waiting
+    assert not st.twin_waits(list(range(5000, 6000)), 0, 999, leaders_of([leader]))
+    assert not AdderRound(64, twins=False).twin_waits(shared, 0, 999, leaders_of([leader]))
+    assert not st.twin_waits(shared, 0, 999, [])  # nobody admitted yet: no leader
