@@ -22,6 +22,9 @@ Servers
     ``launch(model, *, policy=None, extra=(), log, name=None, env=None, ...) -> Server``: the
         same with ``--model-path model [--kda-policy policy] *extra``; prints the ready time.
     ``tiny_model_dir() -> Path``: the embedded tiny model (built on first use).
+    ``Router(worker_urls, log, *, policy="cache_aware", extra=(), ...)``: SGLang's router
+        (``sglang-router``, the ``router`` extra) in front of the workers, a :class:`Server`
+        subclass (``url``, ``post``, ``get``, ``tail``, ``stop``); ready when every worker is.
 
 Metrics
     ``parse_metrics(text) -> {name: value}``: Prometheus text, summed over label sets, without
@@ -255,6 +258,69 @@ def launch(
     if not quiet:
         print(f"[{label}] ready in {server.ready_s:.0f}s", flush=True)
     return server
+
+
+class Router(Server):
+    """SGLang's own router (``python -m sglang_router.launch_router``, the ``router`` extra) in
+    front of ``worker_urls``, in its own process group, so scale-out is tested and measured with
+    the real router. Ready once ``/readiness`` reports every worker healthy. Its Prometheus
+    endpoint gets a free port (the fixed default would collide across runs); ``post`` and ``get``
+    go to the router; ``/metrics`` is not served on its port (read the workers')."""
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        log: Path,
+        *,
+        policy: str = "cache_aware",
+        extra: Sequence[str] = (),
+        name: str = "router",
+        ready_timeout_s: float = 300.0,
+        stop_grace_s: float = 15.0,
+    ) -> None:
+        self.name, self.n_workers = name, len(worker_urls)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        self.ready_s = math.nan
+        self._stop_grace_s = stop_grace_s
+        self._stopped = False
+        cmd = [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--worker-urls", *worker_urls, "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--worker-startup-check-interval", "1", *extra,
+        ]  # fmt: skip
+        self._log_fh = open(self.log, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} (log {self.log}):\n"
+                    f"{self.tail()}"
+                )
+            try:
+                r = requests.get(self.url + "/readiness", timeout=10)
+                if r.status_code == 200 and r.json().get("healthy_workers", 0) >= self.n_workers:
+                    self.ready_s = time.monotonic() - t0
+                    return
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(
+            f"{self.name} not ready after {timeout_s:.0f}s (log {self.log}):\n{self.tail()}"
+        )
 
 
 # --- Metrics -------------------------------------------------------------------------------------
