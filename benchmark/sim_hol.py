@@ -15,8 +15,9 @@ prompts, decoding all run long), a Poisson stream of short prompts (1,024-4,096 
 output tokens, 4 a second), and either one 1,048,576-token prompt at 10 s (``1m``) or six
 600K-900K prompts arriving over about two minutes (``multi``, the shape of sglang #34623).
 Every configuration runs the same trace with ``--chunked-prefill-size 8192`` (#34623's value):
-stock, stock + ``--enable-mixed-chunk``, this project's policy without the budget (``kda``,
-the launcher's default) and with the serial budget at candidate default ITL targets. The
+stock, stock + ``--enable-mixed-chunk``, this project's policy without the budget
+(``--kda-budget off``) and with the serial budget at candidate default ITL targets (the
+launcher's default since issue 20.3: max(50 ms, 2x the predicted decode step)). The
 simulator runs the same round code as the server (``sglang_kda.policy.round``). Reported: the
 share of short requests waiting over 1 s and over 60 s for their first token, their TTFT
 p50/p99, decode ITL p50/p99/max over the gaps that overlap a long prefill (and p99 over the
@@ -128,7 +129,9 @@ class Variant:
         )
 
 
-def budget_variant(itl_ms=None, factor=1.2, floor_ms=0.0) -> Variant:
+def budget_variant(itl_ms=None, factor=2.0, floor_ms=50.0) -> Variant:
+    """The serial budget with a fixed round budget (``itl_ms``) or ``factor`` x the predicted
+    decode step, at least ``floor_ms`` (the launcher's default since issue 20.3: 2x, 50 ms)."""
     if itl_ms is not None:
         return Variant(
             f"budget {itl_ms:g} ms",
@@ -138,19 +141,25 @@ def budget_variant(itl_ms=None, factor=1.2, floor_ms=0.0) -> Variant:
             itl_ms=itl_ms,
         )
     name = f"budget {factor:g}x step" + (f", >= {floor_ms:g} ms" if floor_ms else "")
-    flags = f"itl_factor {factor:g}, itl_floor {floor_ms:g} ms"
+    if (factor, floor_ms) == (2.0, 50.0):
+        flags = "launcher defaults (--kda-budget auto: serial, max(50 ms, 2x step))"
+    elif (factor, floor_ms) == (1.2, 0.0):
+        flags = "--kda-budget serial, the round budget before issue 20.3 (1.2x step)"
+    else:
+        flags = f"--kda-budget serial, round budget {factor:g}x step, at least {floor_ms:g} ms"
     return Variant(name, "kda", flags, budget=True, factor=factor, floor_ms=floor_ms)
 
 
 STOCK = Variant("stock", "stock", "--kda-policy stock")
 STOCK_MIXED = Variant("stock+mixed", "stock", "--kda-policy stock --enable-mixed-chunk", mixed=True)
-KDA = Variant("kda", "kda", "(launcher defaults)")
+KDA = Variant("kda, budget off", "kda", "--kda-budget off")
+DEFAULT = budget_variant(factor=2.0, floor_ms=50.0)
 SEED_VARIANTS = (
     STOCK,
     STOCK_MIXED,
     KDA,
-    budget_variant(factor=1.2),
-    budget_variant(factor=2.0, floor_ms=50.0),
+    budget_variant(factor=1.2, floor_ms=0.0),
+    DEFAULT,
     budget_variant(itl_ms=25.0),
     budget_variant(itl_ms=50.0),
     budget_variant(itl_ms=100.0),
@@ -365,6 +374,7 @@ SEED_COLUMNS = (
     ("decode_itl_max_ms", "ITL max (ms)", "{:.0f}"),
     ("run_itl_p99_ms", "run ITL p99 (ms)", "{:.1f}"),
     ("long_ttfts_s", "long TTFT (s)", "{}"),
+    ("long_ttft_vs_stock", "long TTFT / stock", "{}"),
     ("long_deadlines_met", "long deadlines met", "{}"),
     ("short_deadlines_met_pct", "short deadlines met", "{:.1f}%"),
     ("sim_wall_s", "sim wall (s)", "{:.1f}"),
@@ -414,11 +424,17 @@ def exp_seed(args) -> None:
                 f"TTFT {row['long_ttfts_s']} s ({row['sim_wall_s']} s)",
                 flush=True,
             )
+        stock = [float(x) for x in rows[0]["long_ttfts_s"].split()]
+        for r in rows:
+            ratios = [float(x) / y for x, y in zip(r["long_ttfts_s"].split(), stock, strict=True)]
+            r["long_ttft_vs_stock"] = f"{min(ratios):.2f}-{max(ratios):.2f}x"
         OUT.mkdir(parents=True, exist_ok=True)
         harness.write_csv(OUT / f"seed_{scenario}.csv", rows, digits=4)
         all_rows[scenario] = rows
         parts.append(
             f"### `{scenario}`: {wl.note}\n\n"
+            "`budget 2x step, >= 50 ms` (the launcher's default) is `budget 50 ms` here: 2x "
+            "the predicted decode step of 32-60 streams is 14-17 ms on H200 TP8. "
             f"Long-prefill windows: from a long prompt's arrival to its first token; decode "
             f"ITL p50/p99/max over every inter-token gap (decode streams and short requests) "
             f"that overlaps one; run ITL p99 over all gaps from 5 s before the first long "
@@ -441,7 +457,7 @@ def plot_seed(all_rows: dict) -> None:
     plt = pyplot()
     scen = list(all_rows)
     keys = (
-        ("short_wait_gt_1s_pct", "shorts waiting > 1 s (%)", False),
+        ("short_wait_gt_1s_pct", "shorts waiting > 1 s / > 60 s (%)", False),
         ("short_ttft_p99_s", "short TTFT p99 (s)", True),
         ("decode_itl_p99_ms", "decode ITL p99 in long prefills (ms)", True),
         ("long_ttft_mean_s", "long prompts' TTFT, mean (s)", False),
@@ -451,8 +467,22 @@ def plot_seed(all_rows: dict) -> None:
         rows = all_rows[s]
         names = [r["config"].replace("budget ", "budget\n") for r in rows]
         colors = ["tab:gray" if r["config"].startswith("stock") else "tab:blue" for r in rows]
-        for ax, (key, title, log) in zip(axes[i], keys, strict=True):
-            ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
+        for j, (ax, (key, title, log)) in enumerate(zip(axes[i], keys, strict=True)):
+            if j == 0:  # > 1 s, and > 60 s hatched beside it
+                xs = np.arange(len(rows))
+                ax.bar(xs - 0.2, [r[key] for r in rows], 0.4, color=colors, label="> 1 s")
+                ax.bar(
+                    xs + 0.2,
+                    [r["short_wait_gt_60s_pct"] for r in rows],
+                    0.4,
+                    color=colors,
+                    hatch="//",
+                    alpha=0.6,
+                    label="> 60 s",
+                )
+                ax.legend(fontsize=7)
+            else:
+                ax.bar(range(len(rows)), [r[key] for r in rows], color=colors)
             ax.set_xticks(range(len(rows)), names, rotation=60, fontsize=7)
             ax.set_title(f"{s}: {title}", fontsize=9)
             if log:
@@ -472,7 +502,12 @@ def curve_run(v: Variant, model, chunk: int, streams: int) -> dict:
     wins = windows_of([long], res.end_time)
     itl = gaps_overlapping([r for r in res.requests if r.rid != "long"], wins, res.end_time)
     rank = res.ranks[0]
-    decode_ctx = [STREAM_PROMPT + int(20.0 / 0.007)] * streams  # about where the streams are
+    # the streams' contexts when the long prompt arrives (what the factor multiplies then)
+    decode_ctx = [
+        len(r.ids) + bisect.bisect_left(r.token_times, long.arrival)
+        for r in res.requests
+        if r.rid != "long"
+    ]
     eff = None
     cfg = v.budget_config(chunk)
     if cfg is not None:
@@ -512,7 +547,8 @@ def exp_curve(args) -> None:
     rows = []
     variants = [budget_variant(itl_ms=x) for x in args.targets_ms]
     variants += [
-        budget_variant(factor=f, floor_ms=fl) for f, fl in ((1.2, 0), (2, 0), (3, 0), (2, 50))
+        budget_variant(factor=f, floor_ms=fl)
+        for f, fl in ((1.2, 0.0), (2.0, 0.0), (3.0, 0.0), (2.0, 50.0))
     ]
     for chunk in args.curve_chunks:
         for v in (STOCK, STOCK_MIXED, KDA, *variants):
@@ -534,6 +570,25 @@ def exp_curve(args) -> None:
         ("modes", "plan modes (rounds)", "{}"),
         ("sim_wall_s", "sim wall (s)", "{}"),
     )
+    knee = []
+    for chunk in args.curve_chunks:
+        mine = [r for r in rows if r["chunk"] == chunk]
+        stock = next(r["long_ttft_s"] for r in mine if r["config"] == "stock")
+        ok = [
+            r["itl_target_ms"]
+            for r in mine
+            if r.get("itl_target_ms") not in ("", None) and r["long_ttft_s"] <= 1.15 * stock
+        ]
+        pts = ", ".join(
+            f"{r['config'].removeprefix('budget ')}: {r['long_ttft_s'] / stock:.2f}x"
+            for r in mine
+            if r.get("round_budget_ms") not in ("", None)
+        )
+        knee.append(
+            f"- chunk {chunk}: stock {stock:.1f} s; the smallest fixed target with the 1M "
+            f"prompt's TTFT within 1.15x stock: {min(ok) if ok else 'none'} ms. TTFT / stock: "
+            f"{pts}."
+        )
     write_section(
         "curve",
         "## (B) ITL target vs the 1M prompt's TTFT vs decode ITL p99 (issue 20 item 3)\n\n"
@@ -541,57 +596,57 @@ def exp_curve(args) -> None:
         "decoding when a 1,048,576-token prompt arrives at 20 s; no short prompts. The serial "
         "budget's `max_slice` is the chunk size; deadlines are the server's defaults (the 1M "
         "prompt's is 1,058 s, not binding). ITL over the decode gaps that overlap the prefill. "
-        "Round budget: the ITL target, or factor x the predicted decode step at about the "
-        "streams' context when the prompt arrives, at least the floor. "
+        "Round budget: the ITL target, or factor x the predicted decode step at the streams' "
+        "contexts when the prompt arrives, at least the floor. "
         f"Command: `benchmark/sim_hol.py curve`; runtime {wall:.0f} s on one core.\n\n"
-        f"{md_table(rows, cols)}\n",
+        f"{md_table(rows, cols)}\n\n" + "\n".join(knee) + "\n",
     )
     print(f"[curve] done in {wall:.0f} s", flush=True)
 
 
 def plot_curve(rows: list[dict], streams: int) -> None:
     plt = pyplot()
-    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(13, 5))
     chunks = sorted({r["chunk"] for r in rows})
-    colors = dict(zip(chunks, ("tab:blue", "tab:orange", "tab:green"), strict=False))
-    for chunk in chunks:
-        col = colors[chunk]
-        fixed = [
-            r for r in rows if r["chunk"] == chunk and r.get("itl_target_ms") not in ("", None)
-        ]
-        fixed.sort(key=lambda r: r["itl_target_ms"])
+    styles = [("tab:blue", "o-", 7), ("tab:orange", "s--", 5), ("tab:green", "d:", 4)]
+    for k, chunk in enumerate(chunks):
+        col, fmt, ms = styles[k % len(styles)]
+        mine = [r for r in rows if r["chunk"] == chunk]
+        fixed = sorted(
+            (r for r in mine if r.get("itl_target_ms") not in ("", None)),
+            key=lambda r: r["itl_target_ms"],
+        )
         xs = [r["itl_target_ms"] for r in fixed]
-        ax_t.plot(xs, [r["long_ttft_s"] for r in fixed], "o-", color=col, label=f"chunk {chunk}")
-        ax_i.plot(xs, [r["itl_p99_ms"] for r in fixed], "o-", color=col, label=f"chunk {chunk}")
-        fac = [r for r in rows if r["chunk"] == chunk and r.get("factor") not in ("", None)]
-        for r in fac:
-            lab = f"{r['factor']:g}x" + (f">={r['floor_ms']:g}" if r["floor_ms"] else "")
-            for ax, key in ((ax_t, "long_ttft_s"), (ax_i, "itl_p99_ms")):
-                ax.plot([r["round_budget_ms"]], [r[key]], "^", color=col, ms=9)
-                ax.annotate(lab, (r["round_budget_ms"], r[key]), fontsize=7, color=col)
-        for r in rows:
-            if r["chunk"] != chunk:
+        lab = f"budget, fixed target, chunk {chunk}"
+        ax_t.plot(xs, [r["long_ttft_s"] for r in fixed], fmt, color=col, ms=ms, label=lab)
+        ax_i.plot(xs, [r["itl_p99_ms"] for r in fixed], fmt, color=col, ms=ms, label=lab)
+        for r in mine:
+            if r.get("factor") in ("", None):
                 continue
-            if r["config"] in ("stock", "alone (no decode)"):
-                ls = "--" if r["config"] == "stock" else ":"
-                ax_t.axhline(r["long_ttft_s"], ls=ls, color=col, lw=0.8)
-                ax_t.annotate(
-                    f"{r['config']} {chunk}", (10, r["long_ttft_s"]), fontsize=7, color=col
-                )
-            if r["config"] == "stock+mixed":
-                ax_i.axhline(r["itl_p99_ms"], ls="--", color=col, lw=0.8)
-                ax_i.annotate(f"stock+mixed {chunk}", (10, r["itl_p99_ms"]), fontsize=7, color=col)
-    ax_i.plot([10, 200], [10, 200], color="k", lw=0.5, alpha=0.5, label="ITL p99 = target")
+            tag = f"{r['factor']:g}x step" + (f", >= {r['floor_ms']:g} ms" if r["floor_ms"] else "")
+            for ax, key in ((ax_t, "long_ttft_s"), (ax_i, "itl_p99_ms")):
+                ax.plot([r["round_budget_ms"]], [r[key]], "^", color=col, ms=ms + 3)
+                if k == 0:
+                    ax.annotate(tag, (r["round_budget_ms"] * 1.06, r[key]), fontsize=7)
+        ref = {r["config"]: r for r in mine}
+        if "stock" in ref:
+            st = ref["stock"]["long_ttft_s"]
+            ax_t.axhline(st, ls="--", color=col, lw=0.8, label=f"stock, chunk {chunk}: {st:.1f} s")
+            if k == 0:
+                ax_t.axhline(1.15 * st, ls=":", color="k", lw=0.8, label="1.15x stock")
+        if "stock+mixed" in ref:
+            y = ref["stock+mixed"]["itl_p99_ms"]
+            ax_i.axhline(y, ls="--", color=col, lw=0.8, label=f"stock+mixed, chunk {chunk}")
+    ax_i.plot([8, 200], [8, 200], color="k", lw=0.5, alpha=0.5, label="ITL p99 = round budget")
     for ax in (ax_t, ax_i):
         ax.set_xscale("log")
-        ax.set_xlabel("round budget / ITL target (ms) (triangles: factor x decode step)")
+        ax.set_xlabel("round budget (ms): fixed target, or triangles: factor x decode step")
+        ax.legend(fontsize=7)
     ax_t.set_ylabel("1M-token prompt TTFT (s)")
-    ax_t.set_title("TTFT of the 1M prompt (dashed: stock, dotted: alone)")
+    ax_t.set_title("the 1M prompt's TTFT (stock starves decode for all of it)")
     ax_i.set_yscale("log")
     ax_i.set_ylabel("decode ITL p99 during the prefill (ms)")
-    ax_i.set_title("decode ITL p99 (dashed: stock+mixed)")
-    ax_t.legend(fontsize=8)
-    ax_i.legend(fontsize=8)
+    ax_i.set_title("decode ITL p99 (stock without mixed chunk: = the TTFT)")
     fig.suptitle(f"H200 TP8, {streams} decode streams + a 1M-token prompt: the serial budget")
     save_png(fig, OUT / "curve.png", dpi=110)
 
@@ -793,6 +848,20 @@ def exp_concurrent(args) -> None:
         ("gain_pct_predict", "gain", "{:.1f}%"),
         ("gain_pct_aware", "gain (throughput-aware)", "{:.1f}%"),
     )
+    verdict = []
+    for chunk in args.pair_chunks:
+        mine = [r for r in rows if r["chunk"] == chunk and r["pricing"] == "predict()"]
+        seq = next(r for r in mine if r["schedule"] == "one after the other")
+        for tog in (r for r in mine if r is not seq):
+            verdict.append(
+                f"- chunk {chunk}, {tog['schedule']}: B's TTFT {seq['ttft_b_s']:.2f} -> "
+                f"{tog['ttft_b_s']:.2f} s ({tog['ttft_b_s'] - seq['ttft_b_s']:+.2f} s), A's "
+                f"{seq['ttft_a_s']:.2f} -> {tog['ttft_a_s']:.2f} s "
+                f"({tog['ttft_a_s'] - seq['ttft_a_s']:+.2f} s), mean "
+                f"{100 * (tog['ttft_mean_s'] / seq['ttft_mean_s'] - 1):+.1f}%, both done "
+                f"{tog['makespan_s'] - seq['makespan_s']:+.2f} s "
+                f"({100 * (tog['makespan_s'] / seq['makespan_s'] - 1):+.1f}%)"
+            )
     write_section(
         "concurrent",
         "## (C) Two long prefills in flight (issue 20 item 2)\n\n"
@@ -808,10 +877,30 @@ def exp_concurrent(args) -> None:
         "the measured throughput (0.218 us per chunk-head, cuLA BENCHMARK_H200.md; not in "
         "`predict`). "
         f"Command: `benchmark/sim_hol.py concurrent`; runtime {wall:.1f} s.\n\n"
-        f"{md_table(rows, cols)}\n\nA round's cost, one slice vs two (8192 tokens each):\n\n"
+        f"{md_table([r for r in rows if r['pricing'] == 'predict()'], cols)}\n\n"
+        "The throughput-aware pricing gives the same numbers (all rows in `concurrent.csv`): at "
+        "TP8 a GPU holds 4 of the 32 KDA heads, so two sequences are 8 chunk-heads per step, "
+        "8 x 0.218 = 1.75 us, under the 1.9 us chain; it would bind from three sequences at "
+        "TP8 (2.6 us), and at TP1 for any two (one sequence alone is already throughput-bound "
+        "there: 32 x 0.218 = 7.0 us). The simulator's A finishes 0.07 s later than the "
+        "analytic one: the round that finishes A also carries B's first slice (SGLang fills the "
+        "chunk budget with the next waiting request).\n\n"
+        "A round's cost, one slice vs two (8192 tokens each):\n\n"
         f"{md_table(parts, pcols)}\n\nPrefill tokens a round of a fixed time budget (the "
         "serial budget's regime) takes with one slice or two:\n\n"
-        f"{md_table(budget_rows, bcols)}\n",
+        f"{md_table(budget_rows, bcols)}\n\nTogether against one after the other "
+        "(`predict()` pricing):\n\n" + "\n".join(verdict) + "\n\n"
+        "Where the numbers come from (`sglang_kda/sim/costs.py`, `../shared/notes/anchors.md`): "
+        "the chain, 1.9 us per 64-token chunk step and KDA layer (flashinfer PR #3481, GDN "
+        "chunk kernel on H100, 8 heads: 32K in 0.995 ms over 512 chunks), x 20 KDA layers; the "
+        "per-token term (MoE, projections, the KDA chunks' local work) calibrated on the "
+        "published 128K prefill (Kimi Linear report, arXiv 2510.26692, fig. 7a: 1.40 s) and "
+        "checked against its 256K-1M points (`tests/test_sim_costs.py`); MLA prefill attention "
+        "at 0.75 of 8 x 989 TFLOPS (H200 datasheet; the published curve's quadratic term); the "
+        "fixed cost of a round from SGLang's Qwen3-Next TP8 H200 serving figures (sglang PR "
+        "#10404) and fig. 7b's TPOT at 4K. At TP8 an 8,192-token slice's chain is 4.9 ms of a "
+        "78-175 ms round: the per-token work and the attention, which add up across sequences, "
+        "are the rest.\n",
     )
     print(f"[concurrent] done in {wall:.1f} s", flush=True)
 

@@ -74,9 +74,13 @@ def test_stock_short_prompts_wait_for_the_long_prefill(hol, workload):
         assert r.token_times[0] >= long.token_times[0]
 
 
-@pytest.mark.parametrize("name", ["kda", "budget 50 ms", "budget 2x step, >= 50 ms"])
-def test_kda_short_prompts_enter_beside_the_long_prefill(hol, workload, name):
-    variant = next(v for v in hol.SEED_VARIANTS if v.name == name)
+@pytest.mark.parametrize("which", ["budget off", "default budget", "fixed 50 ms"])
+def test_kda_short_prompts_enter_beside_the_long_prefill(hol, workload, which):
+    variant = {
+        "budget off": hol.KDA,
+        "default budget": hol.DEFAULT,
+        "fixed 50 ms": hol.budget_variant(itl_ms=50.0),
+    }[which]
     _, long, during, longest = _run(hol, workload, variant)
     _, stock_long, _, _ = _run(hol, workload, hol.STOCK)
     for r in during:
