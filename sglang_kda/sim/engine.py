@@ -378,14 +378,14 @@ class Rank:
                     skipped.append(self.waiting.pop(0))
                     continue
             extend = len(r.ids) - m.length
-            if extend > rem_input and slices:
-                break
             if inflight_cut and extend > rem_chunk:
                 # It would need cutting, and the round already holds an unfinished chunked
                 # request: passed over (the server's CONTINUE); requests behind it may enter.
                 self.passed_over += 1
                 skipped.append(self.waiting.pop(0))
                 continue
+            if extend > rem_input and slices:
+                break
             self.waiting.pop(0)
             if skipped:
                 self.admitted_past_waiting_twin += 1

@@ -2,8 +2,8 @@
 
 A long prompt is prefilled in 256-token rounds; short prompts sent while it runs enter the next
 round beside it (``sglang_kda.policy.round.make_room``), answer while the long prompt is still
-prefilling, and every output equals the float64 reference forward. Under the default policy and
-with ``--kda-budget serial``; ``--kda-debug-integrity on`` checks tree, state pool and live
+prefilling, and every output equals the float64 reference forward. With the default flags (the
+serial budget on) and with ``--kda-budget off``; ``--kda-debug-integrity on`` checks tree, state pool and live
 requests after every prefill step.
 """
 
@@ -26,11 +26,11 @@ SHORT = (20, 45, 33)
 VOCAB_LO, VOCAB_HI = 10, 1000
 
 
-@pytest.fixture(scope="module", params=["default", "budget"])
+@pytest.fixture(scope="module", params=["default", "budget-off"])
 def server(request, tmp_path_factory, tiny_model_dir):
     extra = ["--chunked-prefill-size", str(CHUNK), "--kda-debug-integrity", "on"]
-    if request.param == "budget":
-        extra += ["--kda-budget", "serial"]
+    if request.param == "budget-off":
+        extra += ["--kda-budget", "off"]
     srv = start_server(tmp_path_factory, tiny_model_dir, f"hol-{request.param}", extra)
     yield srv
     srv.stop()
