@@ -1,11 +1,19 @@
 """Patches to SGLang 0.5.23: one module per patched upstream module.
 
 Every patch module carries its ledger in its own docstring (``Upstream:``, ``Why:``, ``How:``,
-``Remove when:``) and defines:
+``Seam:``, ``Remove when:``) and defines:
 
 * ``UPSTREAM``: the dotted name of the SGLang module it patches;
+* ``TARGETS``: the attributes of ``UPSTREAM`` that ``apply`` rebinds (``Class.method`` or a
+  module global), checked against the pinned SGLang by ``tests/test_patches.py``;
 * ``wanted(ctx) -> bool``: whether it applies in this process (platform, ``--kda-policy``);
-* ``apply(ctx) -> None``: the wiring. Policy logic lives in plain ``sglang_kda`` modules.
+* ``apply(ctx) -> None``: the wiring, idempotent. Logic, runtime state, adapters and capture live
+  in plain ``sglang_kda`` modules that know nothing of monkey-patching; a patch only wires them in.
+
+Seams: the patches rebind upstream attributes, originals kept (``__wrapped__`` / ``_orig_*``).
+SGLang's ``HookRegistry`` is not used yet: its hooks apply only inside ``load_plugins()`` (tests
+apply patches outside it) and a ``REPLACE`` also rewrites every ``from X import Y`` copy in
+``sys.modules``; moving a patch onto it is a behaviour change to prove, patch by patch.
 
 :func:`apply_all` is the one idempotent entry point, called through SGLang's plugin entry point
 (``sglang.srt.plugins`` -> :func:`sglang_kda.plugin.load`) in every SGLang process.
@@ -32,6 +40,8 @@ PATCH_MODULES = (
     "batch_result_processor",
     "internal_state",
     "tokenizer_manager",
+    "http_server",
+    "openai_serving",
     "tp_worker",
 )
 

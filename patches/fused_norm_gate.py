@@ -6,12 +6,14 @@ Why: on CPU upstream calls ``torch.ops.sgl_kernel.fused_rmsnorm_gated_cpu`` (no 
 How: on the CPU engine, ``forward`` calls ``sglang_kda.kernels.norm_torch.rms_norm_gated_torch``
     (fp32 math, any of sigmoid/silu/swish). Residual/prenorm variants, unused by KDA models,
     raise ``NotImplementedError``.
+Seam: rebinding the method (upstream's reachable as ``__wrapped__``).
 Remove when: SGLang's CPU path supports the sigmoid gate without sgl_kernel.
 """
 
 from __future__ import annotations
 
 UPSTREAM = "sglang.kernels.ops.attention.fla.fused_norm_gate"
+TARGETS = ("FusedRMSNormGated.forward",)
 
 
 def wanted(ctx) -> bool:

@@ -9,7 +9,9 @@ How: wraps the method; adds ``state["sglang_kda"] = {pid, tp/dp/pp rank, policy,
     occupancy, ranks}`` by :func:`sglang_kda.report.scheduler_report`. Every TP rank runs the
     request (SGLang broadcasts control requests over the TP group), so each builds its own report
     and they are all-gathered over the TP CPU (gloo) group into ``ranks`` (one per TP rank, in
-    rank order). DP ranks answer separately (one ``internal_states`` entry each).
+    rank order; :func:`sglang_kda.report.tp_group_reports`). DP ranks answer separately (one
+    ``internal_states`` entry each).
+Seam: rebinding the method (upstream's reachable as ``__wrapped__``).
 Remove when: SGLang's plugin framework exposes loaded plugins in ``/server_info``.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import functools
 
 UPSTREAM = "sglang.srt.managers.scheduler_components.internal_state"
+TARGETS = ("SchedulerInternalStateController.get_internal_state",)
 
 
 def wanted(ctx) -> bool:
@@ -36,24 +39,12 @@ def apply(ctx) -> None:
     @functools.wraps(orig)
     def get_internal_state(self, recv_req):
         out = orig(self, recv_req)
-        from sglang_kda.report import scheduler_report
+        from sglang_kda.report import scheduler_report, tp_group_reports
 
         scheduler = getattr(self, "scheduler", None)
         report = scheduler_report(ctx, scheduler)
-        out.internal_state["sglang_kda"] = dict(report, ranks=_tp_group_reports(scheduler, report))
+        out.internal_state["sglang_kda"] = dict(report, ranks=tp_group_reports(scheduler, report))
         return out
 
     get_internal_state._sglang_kda = True
     cls.get_internal_state = get_internal_state
-
-
-def _tp_group_reports(scheduler, report: dict) -> list[dict]:
-    """Every TP rank's report, in rank order (a collective: all TP ranks get here together)."""
-    group = getattr(scheduler, "tp_cpu_group", None)
-    if group is None or (report.get("tp_size") or 1) <= 1:
-        return [dict(report)]
-    import torch.distributed as dist
-
-    reports = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(reports, report, group=group)
-    return reports

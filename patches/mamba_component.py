@@ -20,6 +20,7 @@ How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a cap
     (:func:`~sglang_kda.cache.checkpoints.note_state`); after a finished request's insert the
     tree is brought back under ``--kda-checkpoint-pool-size`` (the prefill-step check runs
     before requests finish). Only with ``--kda-policy kda``.
+Seam: rebinding the three methods (upstream's kept as ``_orig_*``).
 Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends) and
     offers per-node state eviction with a cost-aware policy.
 """
@@ -29,6 +30,11 @@ from __future__ import annotations
 import functools
 
 UPSTREAM = "sglang.srt.mem_cache.unified_cache.components.mamba"
+TARGETS = (
+    "MambaComponent.prepare_for_caching_req",
+    "MambaComponent.cleanup_after_caching_req",
+    "MambaComponent.finalize_match_result_in_cache",
+)
 
 
 def wanted(ctx) -> bool:
@@ -79,12 +85,9 @@ def apply(ctx) -> None:
             note_state(self.cache, node)
         return result
 
-    cls._orig_prepare_for_caching_req = orig
-    cls._orig_cleanup_after_caching_req = orig_cleanup
-    cls._orig_finalize_match_result_in_cache = orig_finalize
-    cls.prepare_for_caching_req = prepare_for_caching_req
-    cls.cleanup_after_caching_req = cleanup_after_caching_req
-    cls.finalize_match_result_in_cache = finalize_match_result_in_cache
+    for fn in (prepare_for_caching_req, cleanup_after_caching_req, finalize_match_result_in_cache):
+        setattr(cls, "_orig_" + fn.__name__, fn.__wrapped__)
+        setattr(cls, fn.__name__, fn)
     cls._sglang_kda_patched = True
 
 

@@ -10,6 +10,7 @@ How: registers a ``torch_native`` handler that always selects the absorbed MLA m
     (``AttnForwardMethod.MLA``): queries are projected into the latent space, attention runs as
     multi-query attention over the latent cache (``TorchNativeAttnBackend`` supports GQA/MQA),
     for prefill, chunked prefill with a cached prefix, and decode alike.
+Seam: upstream's registry (``AttentionBackendRegistry.register``); nothing is rebound.
 Remove when: SGLang's torch_native backend handles the MHA path over an MLA pool, or registers a
     handler of its own.
 """
@@ -17,6 +18,7 @@ Remove when: SGLang's torch_native backend handles the MHA path over an MLA pool
 from __future__ import annotations
 
 UPSTREAM = "sglang.srt.models.deepseek_common.attention_backend_handler"
+TARGETS = ()  # nothing rebound: an entry in upstream's own registry
 
 
 def wanted(ctx) -> bool:

@@ -15,10 +15,10 @@ How: :class:`sglang_kda.perf_threads.ThreadPolicy` estimates the step's dense ar
     own thread count, restored after the call. With the launcher's default of one OpenMP thread
     on the 2-core box this changes nothing; it matters where the rank has several threads
     (``OMP_NUM_THREADS``, or more cores). Only on the CPU engine.
-    ``SGLANG_KDA_STEP_TRACE=FILE`` (any policy, off by default) appends one JSON line per step:
-    ``t0``/``t1`` (``time.perf_counter``, system-wide monotonic), ``mode``, and per sequence its
-    new tokens and cached context (``ext``/``pre``), so a run's rounds can be set beside the
-    simulator's (``benchmark/sim_validate.py``).
+    The step's shape is :func:`sglang_kda.steps.step_lens`. ``SGLANG_KDA_STEP_TRACE=FILE`` (any
+    policy, off by default) appends one row per step in :mod:`sglang_kda.steps`' format
+    (:func:`~sglang_kda.steps.write_step`), so a run's rounds can be set beside the simulator's.
+Seam: rebinding the method (upstream's kept as ``_orig_forward_batch_generation``).
 Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets the thread count
     once per process).
 """
@@ -26,55 +26,18 @@ Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets 
 from __future__ import annotations
 
 import functools
-import json
+import importlib
 import logging
 import os
 import time
 
 UPSTREAM = "sglang.srt.managers.tp_worker"
+TARGETS = ("TpModelWorker.forward_batch_generation",)
 logger = logging.getLogger(__name__)
-
-TRACE_ENV = "SGLANG_KDA_STEP_TRACE"
-
-
-def _trace(path: str, batch, t0: float, t1: float) -> None:
-    shape = step_shape(batch)
-    mode = getattr(getattr(batch, "forward_mode", None), "name", None)
-    row = {"t0": t0, "t1": t1, "mode": mode}
-    if shape is not None:
-        row["ext"] = [int(x) for x in shape.extend_lens]
-        row["pre"] = [int(x) for x in shape.prefix_lens]
-    with open(path, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
 
 
 def wanted(ctx) -> bool:
     return ctx.cpu_engine
-
-
-def step_shape(batch):
-    """The step's new tokens and cached context per sequence, from a ``ScheduleBatch`` (None
-    when it cannot tell: the call then keeps every thread)."""
-    from sglang_kda.perf_threads import StepShape
-
-    if batch is None:
-        return None
-    mode = getattr(batch, "forward_mode", None)
-    try:
-        if mode is not None and mode.is_extend():
-            ext, pre = batch.extend_lens, batch.prefix_lens
-            if ext is None or pre is None or len(ext) != len(pre):
-                return None
-            return StepShape(list(ext), list(pre))
-        if mode is not None and mode.is_decode():
-            seq = batch.seq_lens_cpu
-            if seq is None:
-                return None
-            lens = [int(x) for x in seq.tolist()]
-            return StepShape([1] * len(lens), [max(n - 1, 0) for n in lens])
-    except Exception:  # noqa: BLE001 - an unexpected batch keeps upstream's threading
-        return None
-    return None
 
 
 def _policy(worker):
@@ -99,14 +62,14 @@ def _policy(worker):
 
 
 def apply(ctx) -> None:
-    import importlib
+    from sglang_kda import steps
 
     cls = importlib.import_module(UPSTREAM).TpModelWorker
     if getattr(cls, "_sglang_kda_patched", False):
         return
     orig = cls.forward_batch_generation
 
-    trace = os.environ.get(TRACE_ENV)
+    trace = os.environ.get(steps.TRACE_ENV)
 
     @functools.wraps(orig)
     def forward_batch_generation(self, batch=None, *args, **kwargs):
@@ -115,11 +78,11 @@ def apply(ctx) -> None:
         try:
             if pol.max_threads <= 1:  # one thread either way: no shape to read
                 return orig(self, batch, *args, **kwargs)
-            with pol.step(step_shape(batch)):
+            with pol.step(steps.step_lens(batch)):
                 return orig(self, batch, *args, **kwargs)
         finally:
             if trace:
-                _trace(trace, batch, t0, time.perf_counter())
+                steps.write_step(trace, batch, t0, time.perf_counter())
 
     cls._orig_forward_batch_generation = orig
     cls.forward_batch_generation = forward_batch_generation

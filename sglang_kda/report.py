@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from sglang_kda import state
+
 
 def _size(obj, attr: str = "available_size") -> int | None:
     fn = getattr(obj, attr, None)
@@ -83,10 +85,9 @@ def scheduler_report(ctx, scheduler=None) -> dict:
     if scheduler is not None:
         report["occupancy"] = occupancy(scheduler)
     if "schedule_policy" in report["patches"]:
-        from sglang_kda.patches.schedule_policy import RECENT_CUTS
-
         report["recent_cuts"] = [
-            {"prefix_len": p, "budget": b, "remaining": r, "taken": t} for p, b, r, t in RECENT_CUTS
+            {"prefix_len": p, "budget": b, "remaining": r, "taken": t}
+            for p, b, r, t in state.RECENT_CUTS
         ]
     if "batch_result_processor" in report["patches"] and scheduler is not None:
         report["cache"] = cache_report(scheduler)
@@ -96,12 +97,24 @@ def scheduler_report(ctx, scheduler=None) -> dict:
     return report
 
 
+def tp_group_reports(scheduler, report: dict) -> list[dict]:
+    """Every TP rank's report, in rank order (a collective: all TP ranks get here together)."""
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if group is None or (report.get("tp_size") or 1) <= 1:
+        return [dict(report)]
+    import torch.distributed as dist
+
+    reports = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(reports, report, group=group)
+    return reports
+
+
 def rank_reports(server_info: dict) -> list[dict]:
     """Every rank's own report from a ``/server_info`` body: one ``internal_states`` entry per DP
     rank, each listing the reports of its TP/PP ranks under ``ranks``."""
     out = []
-    for state in server_info.get("internal_states", []):
-        report = state.get("sglang_kda") or {}
+    for entry in server_info.get("internal_states", []):
+        report = entry.get("sglang_kda") or {}
         out.extend(report.get("ranks") or ([report] if report else []))
     return out
 
@@ -109,15 +122,19 @@ def rank_reports(server_info: dict) -> list[dict]:
 def cache_report(scheduler) -> dict:
     """The checkpoint cache's counters and an integrity check of tree, state pool and the live
     requests (run here, between scheduler steps, where every live request is accounted for)."""
-    from sglang_kda.cache.checkpoints import IntegrityError, held_states, integrity_report
+    from sglang_kda.cache.checkpoints import (
+        IntegrityError,
+        held_states,
+        integrity_report,
+        state_nbytes,
+    )
     from sglang_kda.cache.stats import STATS
-    from sglang_kda.patches.batch_result_processor import LAST_INTEGRITY, checkpoint_nbytes
 
     tree = getattr(scheduler, "tree_cache", None)
     if tree is None or not tree.supports_mamba():
         return STATS.as_dict()
     held = held_states(tree)  # also after /flush_cache, which runs no prefill
-    STATS.set_held(held, held * checkpoint_nbytes(tree))
+    STATS.set_held(held, held * state_nbytes(tree))
     out = STATS.as_dict()
     live = list(getattr(getattr(scheduler, "running_batch", None), "reqs", []) or [])
     live += [r for r in getattr(scheduler, "waiting_queue", []) or []]
@@ -130,6 +147,6 @@ def cache_report(scheduler) -> dict:
         out["integrity"]["ok"] = True
     except IntegrityError as e:
         out["integrity"] = {"ok": False, "error": str(e)}
-    if LAST_INTEGRITY:
-        out["integrity_last_step"] = dict(LAST_INTEGRITY)
+    if state.LAST_INTEGRITY:
+        out["integrity_last_step"] = dict(state.LAST_INTEGRITY)
     return out

@@ -1,9 +1,10 @@
 """Request validation at the door: hostile or malformed requests get a 400 naming the field.
 
 Plain functions over plain values (JSON-decoded dicts, or attribute bags read off SGLang's request
-objects); nothing here knows about SGLang or monkey-patching. ``patches/tokenizer_manager.py``
-calls them on the native ``/generate`` route, on the OpenAI ``/v1/completions`` and
-``/v1/chat/completions`` routes and in ``TokenizerManager`` (a backstop for every entry point).
+objects); nothing here knows about SGLang or monkey-patching. They run (through
+:mod:`sglang_kda.request_gate`) on the native ``/generate`` route, on the OpenAI
+``/v1/completions`` and ``/v1/chat/completions`` routes and in ``TokenizerManager`` (a backstop
+for every entry point): ``patches/http_server.py``, ``openai_serving.py``, ``tokenizer_manager.py``.
 
 Every check raises :class:`RequestError` (a ``ValueError``, which SGLang turns into an HTTP 400)
 whose message starts with the offending field's name as the client spelled it, e.g.

@@ -39,9 +39,8 @@ def test_wanted_on_cpu_engine_only() -> None:
 def test_fold_is_a_noop_for_factor_one() -> None:
     from types import SimpleNamespace
 
-    from sglang_kda.patches import patch_module
+    from sglang_kda.cpu.kimi_moe import fold_routed_scale_into_topk as fold
 
-    fold = patch_module("kimi_linear_moe").fold_routed_scale_into_topk
     for factor in (None, 1.0):
         moe = SimpleNamespace(
             routed_scaling_factor=factor,

@@ -2,8 +2,9 @@
 
 * a float64 full-matrix causal softmax at awkward shapes (chunk and prefix not multiples of the
   key block, a single row, GQA, separate value pools, values wider than keys);
-* SGLang's own ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (the method the patch
-  replaces) on a ragged batch laid out like SGLang's, over an MLA-style latent pool;
+* SGLang's own ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (the method
+  ``patches/mla_extend_cpu.py`` routes through :class:`sglang_kda.cpu.mla_route.MLARoute`) on a
+  ragged batch laid out like SGLang's, over an MLA-style latent pool;
 * the decode step (one row per request over its whole context) against the float64 reference
   and against SGLang's ``_run_sdpa_forward_decode``.
 """
@@ -154,36 +155,48 @@ def test_matches_sglang_torch_native_extend():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_patch_routes_plain_calls_and_keeps_others():
-    """The patch's wrapper sends causal self-attention here and everything else upstream."""
+def _recording(upstream):
+    """``upstream`` as a route's fallback, recording whether it was called."""
+    calls = []
+
+    def fallback(*args, **kwargs):
+        calls.append(True)
+        return upstream(*args, **kwargs)
+
+    return fallback, calls
+
+
+def test_route_takes_plain_extend_calls_and_keeps_others():
+    """The route (what patches/mla_extend_cpu.py wires in) sends causal self-attention to the
+    blockwise path and everything else to upstream's method, with the same result either way."""
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
-    from sglang_kda.patches import mla_extend_cpu
+    from sglang_kda.cpu.mla_route import MLARoute
 
-    saved = tnb.TorchNativeAttnBackend._run_sdpa_forward_extend
-    saved_decode = tnb.TorchNativeAttnBackend._run_sdpa_forward_decode
-    try:
-        mla_extend_cpu.apply(None)
-        wrapped = tnb.TorchNativeAttnBackend._run_sdpa_forward_extend
-        assert wrapped._sglang_kda and wrapped.__wrapped__ is getattr(saved, "__wrapped__", saved)
-        mla_extend_cpu.apply(None)  # idempotent
-        assert tnb.TorchNativeAttnBackend._run_sdpa_forward_extend is wrapped
-        g = torch.Generator().manual_seed(5)
-        kc = torch.randn(50, 2, 8, generator=g)
-        vc = torch.randn(50, 2, 8, generator=g)
-        q = torch.randn(6, 2, 8, generator=g)
-        rtt = torch.arange(50).view(1, 50)
-        lens = (torch.tensor([0]), torch.tensor([10]), torch.tensor([4]), torch.tensor([6]))
-        me = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
-        for kw in ({"causal": True}, {"causal": False}, {"causal": True, "sliding_window_size": 2}):
-            a = q.new_zeros(6, 2, 8)
-            b = q.new_zeros(6, 2, 8)
-            wrapped(me, q, a, kc, vc, rtt, *lens, scaling=0.3, **kw)
-            wrapped.__wrapped__(me, q, b, kc, vc, rtt, *lens, scaling=0.3, **kw)
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    finally:
-        tnb.TorchNativeAttnBackend._run_sdpa_forward_extend = saved
-        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = saved_decode
+    upstream = tnb.TorchNativeAttnBackend._run_sdpa_forward_extend
+    upstream = getattr(upstream, "__wrapped__", upstream)
+    route = MLARoute(trace_path=None, key_block=4)
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(50, 2, 8, generator=g)
+    vc = torch.randn(50, 2, 8, generator=g)
+    q = torch.randn(6, 2, 8, generator=g)
+    rtt = torch.arange(50).view(1, 50)
+    lens = (torch.tensor([0]), torch.tensor([10]), torch.tensor([4]), torch.tensor([6]))
+    me = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
+    cases = (
+        ({"causal": True}, False),
+        ({"causal": False}, True),
+        ({"causal": True, "sliding_window_size": 2}, True),
+    )
+    for kw, to_upstream in cases:
+        a = q.new_zeros(6, 2, 8)
+        b = q.new_zeros(6, 2, 8)
+        fallback, calls = _recording(upstream)
+        route.extend(fallback, me, q, a, kc, vc, rtt, *lens, scaling=0.3, **kw)
+        assert bool(calls) == to_upstream, kw
+        upstream(me, q, b, kc, vc, rtt, *lens, scaling=0.3, **kw)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert route.logged
 
 
 def _decode_batch(seed, n_pool, hk, d, dv, seq_lens, pool_idx, latent=True):
@@ -238,33 +251,24 @@ def test_decode_matches_sglang_torch_native_decode_and_rejects_bad_input():
         ma.decode_attention_batch(q, got, k, v, rtt, pool_idx, [5, 0, 64], 0.2)
 
 
-def test_patch_routes_plain_decode_and_keeps_others():
+def test_route_takes_plain_decode_calls_and_keeps_others():
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
-    from sglang_kda.patches import mla_extend_cpu
+    from sglang_kda.cpu.mla_route import MLARoute
 
-    saved = (
-        tnb.TorchNativeAttnBackend._run_sdpa_forward_extend,
-        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode,
-    )
-    try:
-        mla_extend_cpu.apply(None)
-        wrapped = tnb.TorchNativeAttnBackend._run_sdpa_forward_decode
-        assert wrapped._sglang_kda and wrapped.__wrapped__ is getattr(
-            saved[1], "__wrapped__", saved[1]
-        )
-        seq_lens, pool_idx = [9, 20], [0, 1]
-        k, v, rtt = _decode_batch(13, 60, 2, 8, 8, seq_lens, pool_idx, latent=False)
-        q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(14))
-        me = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
-        lens = (torch.tensor(pool_idx), torch.tensor(seq_lens))
-        for kw in ({}, {"sliding_window_size": 3}):
-            a, b = q.new_zeros(2, 4, 8), q.new_zeros(2, 4, 8)
-            wrapped(me, q, a, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
-            wrapped.__wrapped__(me, q, b, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    finally:
-        (
-            tnb.TorchNativeAttnBackend._run_sdpa_forward_extend,
-            tnb.TorchNativeAttnBackend._run_sdpa_forward_decode,
-        ) = saved
+    upstream = tnb.TorchNativeAttnBackend._run_sdpa_forward_decode
+    upstream = getattr(upstream, "__wrapped__", upstream)
+    route = MLARoute(trace_path=None, key_block=4)
+    seq_lens, pool_idx = [9, 20], [0, 1]
+    k, v, rtt = _decode_batch(13, 60, 2, 8, 8, seq_lens, pool_idx, latent=False)
+    q = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(14))
+    me = tnb.TorchNativeAttnBackend.__new__(tnb.TorchNativeAttnBackend)
+    lens = (torch.tensor(pool_idx), torch.tensor(seq_lens))
+    for kw, to_upstream in (({}, False), ({"sliding_window_size": 3}, True)):
+        a, b = q.new_zeros(2, 4, 8), q.new_zeros(2, 4, 8)
+        fallback, calls = _recording(upstream)
+        route.decode(fallback, me, q, a, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
+        assert bool(calls) == to_upstream, kw
+        upstream(me, q, b, k, v, rtt, *lens, scaling=0.3, enable_gqa=True, **kw)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert route.decode_logged

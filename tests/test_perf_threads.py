@@ -88,28 +88,28 @@ def test_step_restores_the_thread_count():
 
 
 def test_step_shape_from_schedule_batch():
-    from sglang_kda.patches.tp_worker import step_shape
+    from sglang_kda.steps import step_lens
 
     ext = SimpleNamespace(is_extend=lambda: True, is_decode=lambda: False)
     dec = SimpleNamespace(is_extend=lambda: False, is_decode=lambda: True)
     b = SimpleNamespace(forward_mode=ext, extend_lens=[64, 3], prefix_lens=[128, 0])
-    assert step_shape(b) == StepShape([64, 3], [128, 0])
+    assert step_lens(b) == StepShape([64, 3], [128, 0])
     b = SimpleNamespace(forward_mode=dec, seq_lens_cpu=torch.tensor([5, 9]))
-    assert step_shape(b) == StepShape([1, 1], [4, 8])
-    assert step_shape(None) is None
-    assert step_shape(SimpleNamespace(forward_mode=ext, extend_lens=None, prefix_lens=[])) is None
+    assert step_lens(b) == StepShape([1, 1], [4, 8])
+    assert step_lens(None) is None
+    assert step_lens(SimpleNamespace(forward_mode=ext, extend_lens=None, prefix_lens=[])) is None
 
 
 def test_step_trace_writes_one_line_per_step(tmp_path):
     import json
 
-    from sglang_kda.patches.tp_worker import _trace
+    from sglang_kda.steps import write_step
 
     ext = SimpleNamespace(is_extend=lambda: True, is_decode=lambda: False, name="EXTEND")
     path = tmp_path / "steps.jsonl"
     b = SimpleNamespace(forward_mode=ext, extend_lens=[64, 1], prefix_lens=[0, 70])
-    _trace(str(path), b, 1.0, 1.5)
-    _trace(str(path), None, 2.0, 2.1)  # an idle call: times only
+    write_step(str(path), b, 1.0, 1.5)
+    write_step(str(path), None, 2.0, 2.1)  # an idle call: times only
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert rows[0] == {"t0": 1.0, "t1": 1.5, "mode": "EXTEND", "ext": [64, 1], "pre": [0, 70]}
     assert rows[1] == {"t0": 2.0, "t1": 2.1, "mode": None}

@@ -1,4 +1,4 @@
-"""The adapter that fills SGLang's KDA kernel slot (patches/kda_backend.py), for both paths.
+"""The adapter that fills SGLang's KDA kernel slot (sglang_kda/kda_adapter.py), for both paths.
 
 Called exactly as ``KDAAttnBackend`` calls it (raw gate and beta, SGLang's state pool layout
 ``[slots, H, V, K]``, cache indices, ``query_start_loc``), and checked against the float64
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_kda.kernels.kda_naive import naive_kda_gate, naive_recurrent_kda
-from sglang_kda.patches.kda_backend import make_kernel_class
+from sglang_kda.kda_adapter import make_kernel_class
 
 H, K = 2, 32
 

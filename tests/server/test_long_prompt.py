@@ -21,7 +21,7 @@ import os
 import pytest
 from harness import NEW_TOKENS, check_against_reference, start_server
 
-from sglang_kda.patches.mla_extend_cpu import DECODE_LOG_LINE, KEY_BLOCK_ENV, LOG_LINE
+from sglang_kda.cpu.mla_route import DECODE_LOG_LINE, KEY_BLOCK_ENV, LOG_LINE
 
 pytestmark = pytest.mark.server
 
