@@ -172,3 +172,29 @@ def test_short_prompts_do_not_wait_for_the_long_prefill_in_the_simulator(budget)
     for rd in rank.rounds:
         assert len(rd.slices) <= 5
     assert long_k.computed == 6000 and all(s.computed == 80 for s in shorts_k)
+
+
+def test_short_prompts_beside_a_shared_slice_are_charged_to_the_round_budget():
+    """In a share round the long prompt's slice shrinks (on the grid, at least one step) so
+    that decode + its slice + the short prompts entering beside it fit the round budget."""
+    from sglang_kda.policy.budget import round_budget
+    from sglang_kda.policy.cost_model import BatchShape, Slice
+
+    cfg = BudgetConfig(grid=GRID, max_slice=1024, ttft_deadline_s=100.0)
+    decode = [200] * 4
+
+    def decide(queue):
+        planner = RoundPlanner(cfg)
+        planner.book.admit(MODEL, "long", 0.0, 20_000, done=640)
+        for rid, _ in queue[1:]:
+            planner.book.admit(MODEL, rid, 0.0, 300)
+        return planner.decide(MODEL, 0.0, decode, queue, inflight="long")
+
+    alone = decide([("long", 640)])
+    beside = decide([("long", 640), ("s1", 0), ("s2", 0)])
+    assert alone.plan.mode == beside.plan.mode == "share"
+    assert beside.keep == beside.cap < alone.keep and beside.keep % GRID == 0
+    budget = round_budget(MODEL, decode, cfg)
+    shorts = (Slice(0, 300), Slice(0, 300))
+    cost = MODEL.predict(BatchShape(tuple(decode), (Slice(640, beside.keep), *shorts)))
+    assert cost <= budget or beside.keep == GRID

@@ -16,7 +16,8 @@ This module is the one place that decides a round; the scheduler patches
   remaining work first) enter the same round. The long prompt keeps ``keep`` tokens a round
   (by default half the round's budget, on the grid; at least one grid step), so a stream of
   short prompts slows it to at most half speed and never stops it; under the serial budget
-  ``keep`` is the planned slice, and a request whose deadline is at risk keeps the whole round.
+  ``keep`` is the planned slice, shrunk so that the short prompts' prefill fits the round's time
+  budget too, and a request whose deadline is at risk keeps the whole round.
   A waiting request that does not fit whole is not cut while the round already holds an
   unfinished chunked request (SGLang tracks one); it waits, and requests behind it still enter.
 * :class:`RoundPlanner`: with ``--kda-budget serial``, the deadline book kept in step with the
@@ -34,6 +35,7 @@ from typing import Iterable, Optional, Sequence
 
 from sglang_kda.policy import budget as budget_mod
 from sglang_kda.policy.budget import BudgetConfig, DeadlineBook, Plan
+from sglang_kda.policy.cost_model import BatchShape, Slice
 
 KEEP_SHARE = 0.5  # the in-flight long prompt keeps at least this share of a round's budget
 
@@ -199,8 +201,48 @@ class RoundPlanner:
         if plan.mode == "pace":
             return Decision(plan, run_prefill=False)
         chunk, keep, cap = round_tokens(plan, self.cfg.max_slice, inflight is not None)
+        if inflight is not None and plan.mode == "share" and keep is not None:
+            keep = cap = self._slice_beside_shorts(
+                model, decode_ctx, inflight, present, chunk, keep
+            )
         head = plan.rid if inflight is None else None
         return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
+
+    def _slice_beside_shorts(
+        self,
+        model,
+        decode_ctx: Sequence[int],
+        inflight: str,
+        present: dict,
+        chunk: int,
+        tokens: int,
+    ) -> int:
+        """The in-flight prompt's slice when short requests enter beside it: their prefill is
+        charged to the round budget too, so the long slice shrinks (on the grid, to at least the
+        next grid point) until decode + slice + shorts fit the budget."""
+        long = self.book.live.get(inflight)
+        if long is None:
+            return tokens
+        waiting = [self.book.live[r] for r in present if r != inflight and r in self.book.live]
+        grid = self.cfg.grid
+        first = min((long.done // grid + 1) * grid - long.done, long.remaining)
+        # the most short prompts that could enter beside it (the long prompt at its smallest)
+        room = make_room(
+            chunk, long.done, long.remaining, [p.remaining for p in waiting], grid,
+            keep=first, cap=tokens,
+        )  # fmt: skip
+        if not room.admitted:
+            return tokens
+        shorts = tuple(Slice(waiting[i].done, waiting[i].remaining) for i in room.admitted)
+        budget_s = budget_mod.round_budget(model, decode_ctx, self.cfg)
+
+        def cost(n: int) -> float:
+            return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
+
+        end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
+        while end - long.done > first and cost(end - long.done) > budget_s:
+            end = max(long.done + first, (end - 1) // grid * grid)
+        return end - long.done
 
     def observed(self, seconds: float, slices: bool, decode: bool) -> None:
         """A round ran in ``seconds``: a shared round (slices and decode) that overshot its
