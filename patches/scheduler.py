@@ -3,17 +3,17 @@
 Upstream: ``Scheduler._get_new_batch_prefill_raw`` builds a prefill batch whenever a request
     waits (sized by ``chunked_prefill_size`` tokens) and mixes the running decode into it only
     under ``--enable-mixed-chunk`` (``Scheduler.is_mixed_chunk``); ``get_next_batch_to_run`` runs
-    that prefill batch in place of decode. ``_add_request_to_queue`` queues a new request;
-    ``run_batch`` / ``process_batch_result`` run and finish a step.
+    that prefill batch in place of decode. ``run_batch`` / ``process_batch_result`` run and
+    finish a step.
 Why: a waiting chunked prefill takes every round, so decode stalls for the whole prompt (or, with
     mixed chunks, rides along a slice priced in tokens, not in the serial KDA steps and MLA
     attention it costs), and nothing promises the prompt a finish time.
-How: each round :meth:`sglang_kda.policy.runtime.BudgetRuntime.decide` (the one round decision,
-    :class:`sglang_kda.policy.round.RoundPlanner`) sets the round's two inputs that upstream reads
-    at the top of ``_get_new_batch_prefill_raw``: ``self.chunked_prefill_size`` (the chunk budget;
-    the mixed decode tokens upstream takes out of it are given back) and ``self.is_mixed_chunk``
-    (decode rides along or waits); both are put back after the call. The in-flight request's
-    share (``keep``/``cap``) goes to ``make_room``'s wiring on the policy object
+How: each round :meth:`sglang_kda.policy.runtime.BudgetRuntime.plan` (the one round decision,
+    :class:`sglang_kda.policy.round.RoundPlanner`) sets the two inputs upstream reads at the top
+    of ``_get_new_batch_prefill_raw``: ``self.chunked_prefill_size`` (the chunk budget; the mixed
+    decode tokens upstream takes out of it are given back) and ``self.is_mixed_chunk`` (decode
+    rides along or waits); both are put back after the call. The in-flight request's share
+    (``keep``/``cap``) goes to ``make_room``'s wiring on the policy object
     (``patches/schedule_policy.py``). A paced round returns no prefill batch, so decode runs
     alone; an in-flight chunked request was already stashed by ``get_next_batch_to_run`` and
     resumes later. The plan's head (earliest deadline among those at risk) is moved to the
@@ -21,14 +21,17 @@ How: each round :meth:`sglang_kda.policy.runtime.BudgetRuntime.decide` (the one 
     admits and cuts as always, so every upstream memory and budget check still holds.
     Alternating prefill and decode rounds (``--prefill-decode-interval``) was the other seam: it
     pays a forward's fixed cost twice per decode token and cannot give a slice less than a round.
-    ``_add_request_to_queue`` books a new request's deadline (server default or
+    The plan first books the requests new in the queue (deadline: the server default or
     ``sampling_params.custom_params.ttft_deadline_ms``, counted from when the tokenizer manager
-    took it) and, under ``--kda-reject-infeasible on``, aborts one that cannot meet it even alone
-    (a 400). ``run_batch`` + ``process_batch_result`` time each step for the cost model's online
-    fit and book each prefill's progress and finish. Only with ``--kda-budget serial`` (and
-    ``--kda-policy kda``), models with KDA layers, chunked prefill on, and one TP rank
-    (:func:`sglang_kda.policy.runtime.why_off`): otherwise upstream runs untouched.
-Seam: rebinding the four methods (upstream's reachable as ``__wrapped__``).
+    took the request) and, under ``--kda-reject-infeasible on``, aborts one that cannot meet it
+    even alone (a 400). At TP > 1, TP rank 0 plans and broadcasts the round's orders over the TP
+    CPU group in this same call on every rank (whenever anything is queued, which all ranks see
+    alike), so all ranks build the same batch. ``run_batch`` + ``process_batch_result`` time
+    each step for the cost model's online fit and book each prefill's progress and finish. With
+    the serial budget (``--kda-budget serial``, or ``auto`` under ``--kda-policy kda``), models
+    with KDA layers, chunked prefill and one pipeline stage
+    (:func:`sglang_kda.policy.runtime.why_off`); otherwise upstream runs untouched.
+Seam: rebinding the three methods (upstream's reachable as ``__wrapped__``).
 Remove when: upstream schedules prefill by predicted time with deadlines (no such plan upstream).
 """
 
@@ -40,7 +43,6 @@ import time
 UPSTREAM = "sglang.srt.managers.scheduler"
 TARGETS = (
     "Scheduler._get_new_batch_prefill_raw",
-    "Scheduler._add_request_to_queue",
     "Scheduler.run_batch",
     "Scheduler.process_batch_result",
 )
@@ -73,20 +75,8 @@ def apply(ctx) -> None:
     if getattr(cls, "_sglang_kda_budget_patched", False):
         return
     orig_raw = cls._get_new_batch_prefill_raw
-    orig_add = cls._add_request_to_queue
     orig_run = cls.run_batch
     orig_process = cls.process_batch_result
-
-    @functools.wraps(orig_add)
-    def _add_request_to_queue(self, req, is_retracted: bool = False):
-        st = rt.runtime_of(self)
-        if st is not None and not is_retracted:
-            now = time.monotonic()
-            total, override_s, arrival = rt.request_facts(req, now)
-            refused = st.admit(req.rid, now, total, override_s, arrival)
-            if refused:
-                req.set_finish_with_abort(refused)
-        return orig_add(self, req, is_retracted)
 
     @functools.wraps(orig_raw)
     def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
@@ -95,7 +85,11 @@ def apply(ctx) -> None:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         queue, inflight = rt.round_queue(self)
         decode_ctx = [r.seqlen for r in running_batch.reqs]  # as sglang_kda.steps counts it
-        dec = st.decide(time.monotonic(), decode_ctx, queue, inflight)
+        now = time.monotonic()
+        fresh = rt.newcomers(self.waiting_queue, now) if st.leader else ()
+        orders = st.plan(now, decode_ctx, queue, inflight, fresh)  # every TP rank, same queue
+        rt.refuse(self.waiting_queue, orders.refused)
+        dec = orders.decision
         if dec is None:
             return orig_raw(self, prefill_delayer_single_pass, running_batch)
         if not dec.run_prefill:  # paced: decode alone this round
@@ -121,7 +115,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_run)
     def run_batch(self, batch, *args, **kwargs):
         st = getattr(self, "_kda_budget", None)
-        if st:
+        if st and st.leader:
             st.step_shape = batch_shape(batch)
             st.step_start = time.perf_counter()
         return orig_run(self, batch, *args, **kwargs)
@@ -144,7 +138,6 @@ def apply(ctx) -> None:
         return out
 
     cls._get_new_batch_prefill_raw = _get_new_batch_prefill_raw
-    cls._add_request_to_queue = _add_request_to_queue
     cls.run_batch = run_batch
     cls.process_batch_result = process_batch_result
     cls._sglang_kda_budget_patched = True

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
+import threading
 from types import SimpleNamespace as NS
 
 import pytest
@@ -28,7 +30,6 @@ def _runtime(tmp_path, **flags) -> rt.BudgetRuntime:
         mla_layers=1,
         chunked_prefill_size=1024,
         page_size=1,
-        tp_size=1,
         model_path="/models/tiny",
         device="cpu",
         dtype="float32",
@@ -39,11 +40,16 @@ def _runtime(tmp_path, **flags) -> rt.BudgetRuntime:
 
 
 @pytest.mark.parametrize(
-    "kda,chunk,why",
-    [(0, 1024, "no KDA layers"), (3, None, "chunked prefill is off"), (3, 0, "chunked")],
+    "kda,chunk,pp,why",
+    [
+        (0, 1024, 1, "no KDA layers"),
+        (3, None, 1, "chunked prefill is off"),
+        (3, 0, 1, "chunked"),
+        (3, 1024, 2, "PP > 1"),
+    ],
 )
-def test_the_budget_stays_off_where_it_cannot_run(kda, chunk, why):
-    assert why in rt.why_off(kda, chunk, 1)
+def test_the_budget_stays_off_where_it_cannot_run(kda, chunk, pp, why):
+    assert why in rt.why_off(kda, chunk, pp)
     assert rt.why_off(3, 1024, 1) is None
 
 
@@ -116,14 +122,16 @@ def test_a_shared_round_that_overshoots_turns_pacing_on(tmp_path):
     assert st.fit.n_observed == 1
 
 
-def test_request_facts_read_the_tokenizer_managers_stamp():
+def test_newcomers_are_booked_once_with_their_own_deadline_and_arrival():
     req = NS(
+        rid="r",
         origin_input_ids=[1] * 300,
         sampling_params=NS(custom_params={"ttft_deadline_ms": 2500}),
         time_stats=NS(created_time=0.0),
     )
-    total, override_s, arrival = rt.request_facts(req, now=42.0)
-    assert (total, override_s, arrival) == (300, 2.5, 42.0)
+    plain = NS(rid="p", origin_input_ids=[1] * 5, sampling_params=NS(custom_params=None))
+    assert rt.newcomers([req, plain], now=42.0) == [("r", 300, 2.5, 42.0), ("p", 5, None, 42.0)]
+    assert rt.newcomers([req, plain], now=50.0) == []  # queued again (retracted): not new
     assert rt.deadline_override_s(None) is None and rt.deadline_override_s({}) is None
 
 
@@ -146,7 +154,108 @@ def test_the_planners_queue_lists_the_in_flight_request_last():
     assert rt.round_queue(sched)[1] is None
 
 
-# -- the prefill adder's round ---------------------------------------------------------------------
+# -- TP ranks: one plans, all apply ------------------------------------------------------------
+class FakeTPGroup:
+    """A synchronous broadcast between threads, as SGLang's over the TP CPU group: every rank
+    must call it the same number of times; a rank that skips one leaves the others waiting
+    (here: a broken barrier after a timeout, not a hang)."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.slot = None
+        self.calls = [0] * size
+
+    def share_for(self, rank: int):
+        def share(obj):
+            self.calls[rank] += 1
+            if rank == 0:
+                self.slot = obj
+            self.barrier.wait()  # the leader's value is in place
+            out = self.slot
+            self.barrier.wait()  # everyone has read it before the next round overwrites it
+            return pickle.loads(pickle.dumps(out))  # it crosses a process boundary
+
+        return share
+
+
+# Rounds as two TP ranks see them: the same queue, decode batch and newcomers on both.
+ROUNDS = [
+    # (decode contexts, queue [(rid, done)], in-flight rid, newcomers)
+    ([], [], None, []),  # idle: nothing queued, no exchange
+    ([], [("long", 0)], None, [("long", 6000, None, 0.0)]),
+    ([300, 310], [("long", 0)], "long", []),
+    ([300, 310], [("tight", 0), ("long", 0)], "long", [("tight", 5000, 0.001, 0.5)]),
+    ([301, 311], [("long", 0)], "long", []),
+    ([302, 312], [], None, []),  # decode only: no exchange
+    ([303, 313], [("short", 0), ("long", 0)], "long", [("short", 80, None, 1.0)]),
+]
+
+
+def _rank(tmp_path, rank: int, group: FakeTPGroup) -> rt.BudgetRuntime:
+    st = _runtime(tmp_path / str(rank), reject_infeasible="on", pace_every=3)
+    st.leader, st.share = rank == 0, group.share_for(rank)
+    if rank:  # another clock and another (never fitted) model: it must not matter
+        st.fit.model = CostModel(Coefficients(overhead=5.0), kda_layers=3, mla_layers=1)
+    return st
+
+
+def _run_rank(st: rt.BudgetRuntime, clock0: float, out: list) -> None:
+    for i, (decode, queue, inflight, fresh) in enumerate(ROUNDS):
+        orders = st.plan(clock0 + 0.1 * i, decode, queue, inflight, fresh if st.leader else ())
+        out.append(orders)
+
+
+def test_tp_ranks_apply_the_leaders_plan_every_round(tmp_path):
+    group = FakeTPGroup(2)
+    ranks = [_rank(tmp_path, r, group) for r in range(2)]
+    outs: list[list] = [[], []]
+    threads = [
+        threading.Thread(target=_run_rank, args=(ranks[r], 1000.0 * r, outs[r])) for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and not group.barrier.broken
+    lead, follow = outs
+    assert len(lead) == len(follow) == len(ROUNDS)
+    for i, (a, b) in enumerate(zip(lead, follow, strict=True)):
+        assert a.refused == b.refused, i
+        assert (a.decision is None) == (b.decision is None), i
+        if a.decision is not None:
+            assert a.decision.__dict__ == b.decision.__dict__, i
+    # one exchange per round with something queued, on both ranks alike
+    assert group.calls == [5, 5]
+    assert sum(ranks[0].planner.rounds.values()) >= 4
+    assert ranks[0].planner.rounds == ranks[1].planner.rounds
+    # the infeasible newcomer is refused on both ranks; only the leader books and fits
+    assert "tight" in lead[3].refused and follow[3].refused == lead[3].refused
+    assert ranks[0].book.stats.admitted == 3 and ranks[1].book.stats.admitted == 0
+    rep = [r.report() for r in ranks]
+    assert rep[0]["plans"] == "here" and rep[1]["plans"] == "follows TP rank 0"
+    assert rep[0]["rounds"] == rep[1]["rounds"]
+
+
+def test_a_rank_that_skips_the_exchange_is_caught_not_hung(tmp_path):
+    """The exchange's contract: every rank calls it. A rank that plans nothing while the other
+    broadcasts breaks the barrier (in a server: a hang), which is why the wiring calls
+    :meth:`BudgetRuntime.plan` for every round on every rank, before any early return."""
+    group = FakeTPGroup(2)
+    group.barrier = threading.Barrier(2, timeout=0.5)
+    lead = _rank(tmp_path, 0, group)
+    with pytest.raises(threading.BrokenBarrierError):
+        lead.plan(0.0, [], [("long", 0)], None, [("long", 6000, None, 0.0)])
+
+
+def test_one_rank_plans_without_any_exchange(tmp_path):
+    st = _runtime(tmp_path)
+    assert st.leader and st.share is None
+    orders = st.plan(0.0, [], [("long", 0)], None, [("long", 6000, None, 0.0)])
+    assert orders.decision is not None and orders.refused == {}
+    assert st.plan(0.1, [], [], None).decision is None
+
+
+# -- the prefill adder's round -----------------------------------------------------------------
 def test_cuts_end_on_the_grid_and_are_recorded():
     st = AdderRound(adder_grid(1, hybrid_ssm=True))
     assert st.grid == 64 and adder_grid(1, hybrid_ssm=False) == 1

@@ -5,9 +5,18 @@ remembers lives here, so it can be tested without a server:
 
 * :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.round.RoundPlanner`), the
   online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`) and what the server
-  reports under ``/server_info`` ``sglang_kda.budget``. It admits a request (its deadline, and
-  whether it is infeasible even alone), plans a round, learns from each timed step and books a
-  prefill's progress and finish.
+  reports under ``/server_info`` ``sglang_kda.budget``. Each round (:meth:`BudgetRuntime.plan`)
+  it books the requests new in the queue (their deadlines; refusing one that cannot meet it even
+  alone) and plans the round; it learns from each timed step and books a prefill's progress and
+  finish.
+* **TP ranks agree.** Every TP rank runs its own scheduler over the same queue, and all must run
+  the same batch. One rank (TP rank 0, the *leader*) plans from its own clock and timings; the
+  round's :class:`Orders` (the decision and the refusals) go to the other ranks through
+  ``share`` (the scheduler's TP CPU group, as SGLang shares the requests it receives:
+  :func:`tp_share`), so every rank applies the same plan. Only the leader times steps, fits and
+  saves the cost model, books deadlines and exports metrics; the others count the rounds they
+  apply. The exchange happens in every round with something to prefill, a state all ranks share,
+  so no rank waits on a broadcast the others skip.
 * The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
   model/device/dtype, :func:`sglang_kda.policy.cost_model.default_cache_path`) and saved after
   :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
@@ -23,8 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import (
@@ -116,14 +125,17 @@ def arrival_time(created: float, now: float, perf_now: float) -> float:
     return now - waited if created > 0 and 0 <= waited < 600 else now
 
 
-def why_off(kda_layers: int, chunked_prefill_size: Optional[int], tp_size: int) -> Optional[str]:
-    """Why the budget cannot run in this scheduler (``None``: it can)."""
+def why_off(
+    kda_layers: int, chunked_prefill_size: Optional[int], pp_size: int = 1
+) -> Optional[str]:
+    """Why the budget cannot run in this scheduler (``None``: it can). TP ranks follow one
+    leader; pipeline stages would each plan from their own clock (nothing shares it yet)."""
     if kda_layers == 0:
         return "the model has no KDA layers"
     if not chunked_prefill_size:
         return "chunked prefill is off"
-    if tp_size > 1:
-        return "TP > 1 (ranks would plan from different clocks)"
+    if pp_size > 1:
+        return "PP > 1 (pipeline stages would plan from different clocks)"
     return None
 
 
@@ -157,13 +169,26 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
 
 
 # -- the runtime ---------------------------------------------------------------------------------
+Share = Callable[[Any], Any]  # the leader's value in (others pass None); the leader's value out
+
+
+@dataclass
+class Orders:
+    """What every TP rank applies in a round: the decision (``None``: upstream's round) and the
+    requests refused (rid -> abort message)."""
+
+    decision: Optional[Decision] = None
+    refused: dict = field(default_factory=dict)
+
+
 @dataclass
 class BudgetRuntime:
     """The budget's state in one scheduler process.
 
     cfg: the budget's settings; fit: the cost model and its online fit; planner: the deadline
     book, pacing count and last plan; reject: refuse infeasible prefills (``--kda-reject-
-    infeasible on``); path: the cost-model file.
+    infeasible on``); path: the cost-model file; leader: this rank plans (TP rank 0, or the only
+    rank); share: how the leader's orders reach the other TP ranks (``None``: one rank).
     """
 
     cfg: BudgetConfig
@@ -171,6 +196,8 @@ class BudgetRuntime:
     planner: RoundPlanner
     reject: bool
     path: str
+    leader: bool = True
+    share: Optional[Share] = None
     step_start: Optional[float] = None
     step_shape: Optional[BatchShape] = None
     last_drift_log: int = -(10**9)
@@ -210,6 +237,36 @@ class BudgetRuntime:
         _inc("rejected")
         self.book.drop(rid)
         return msg
+
+    def plan(
+        self,
+        now: float,
+        decode_ctx: Sequence[int],
+        queue: Sequence[tuple[str, int]],
+        inflight: Optional[str],
+        newcomers: Iterable[tuple[str, int, Optional[float], float]] = (),
+    ) -> Orders:
+        """One round on every TP rank. The leader books ``newcomers`` (rid, prompt tokens, own
+        deadline or ``None``, arrival; see :meth:`admit`) and plans (:meth:`decide`); with
+        something in ``queue`` its orders are shared, and the other ranks count what they apply.
+        Every rank must call this with the same ``queue`` (SGLang keeps the ranks' queues equal)."""
+        orders = None
+        if self.leader:
+            refused = {}
+            for rid, total, override_s, arrival in newcomers:
+                msg = self.admit(rid, now, total, override_s, arrival)
+                if msg:
+                    refused[rid] = msg
+            orders = Orders(self.decide(now, decode_ctx, queue, inflight), refused)
+        if self.share is not None and queue:
+            orders = self.share(orders)
+        if orders is None:  # a follower, nothing queued: nothing was planned
+            return Orders()
+        if not self.leader and orders.decision is not None:
+            plan = orders.decision.plan
+            self.planner.rounds[plan.mode] = self.planner.rounds.get(plan.mode, 0) + 1
+            self.planner.last_plan = plan
+        return orders
 
     def decide(
         self,
@@ -278,6 +335,7 @@ class BudgetRuntime:
         plan = self.planner.last_plan
         return {
             "mode": "serial",
+            "plans": "here" if self.leader else "follows TP rank 0",
             "itl_target_ms": (self.cfg.itl_target_s or 0) * 1e3,
             "rounds": dict(self.planner.rounds),
             "deadlines": self.book.stats.as_dict(),
@@ -299,31 +357,39 @@ def open_runtime(
     mla_layers: int,
     chunked_prefill_size: Optional[int],
     page_size: int,
-    tp_size: int,
     model_path: str,
     device: str,
     dtype: str,
+    pp_size: int = 1,
+    leader: bool = True,
+    share: Optional[Share] = None,
 ) -> Optional[BudgetRuntime]:
     """The runtime for one scheduler, or ``None`` (logged) where the budget cannot run."""
-    why = why_off(kda_layers, chunked_prefill_size, tp_size)
+    why = why_off(kda_layers, chunked_prefill_size, pp_size)
     if why:
         logger.warning("--kda-budget serial: stock scheduling, %s", why)
         return None
     cfg = budget_config(kcfg, page_size, chunked_prefill_size)
     path = kcfg.cost_model or str(default_cache_path(cache_key(model_path, device, dtype)))
-    model = load_cost_model(path, kda_layers, mla_layers)
-    logger.info(
-        "--kda-budget serial: grid %d, slices <= %d tokens, cost model file %s",
-        cfg.grid,
-        cfg.max_slice,
-        path,
-    )
+    if leader:
+        model = load_cost_model(path, kda_layers, mla_layers)
+        logger.info(
+            "--kda-budget serial: grid %d, slices <= %d tokens, cost model file %s",
+            cfg.grid,
+            cfg.max_slice,
+            path,
+        )
+    else:
+        model = CostModel(kda_layers=kda_layers, mla_layers=max(1, mla_layers))  # never used
+        logger.info("--kda-budget serial: this TP rank applies TP rank 0's plans")
     return BudgetRuntime(
         cfg=cfg,
         fit=OnlineFit(model),
         planner=RoundPlanner(cfg),
         reject=kcfg.reject_infeasible == "on",
         path=path,
+        leader=leader,
+        share=share,
     )
 
 
@@ -342,16 +408,19 @@ def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
         mc = sched.model_config
         lac = getattr(getattr(mc, "hf_config", None), "linear_attn_config", None)
         kda, mla = layer_counts(lac)
+        leader, share = tp_share(sched)
         st = open_runtime(
             KDAConfig.from_env(),
             kda_layers=kda,
             mla_layers=mla,
             chunked_prefill_size=sched.chunked_prefill_size,
             page_size=sched.page_size,
-            tp_size=getattr(sched, "tp_size", 1),
             model_path=getattr(mc, "model_path", "model"),
             device=str(getattr(sched, "device", "cpu")),
             dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
+            pp_size=getattr(getattr(sched, "pp_group", None), "world_size", 1),
+            leader=leader,
+            share=share,
         )
         if st is not None:
             sched.is_mixed_chunk = True  # per round, the plan decides
@@ -360,12 +429,50 @@ def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
     return st
 
 
-def request_facts(req: Any, now: float) -> tuple[int, Optional[float], float]:
-    """A new request's (prompt tokens, own deadline in seconds or ``None``, arrival)."""
-    created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    arrival = arrival_time(created, now, time.perf_counter())
-    return len(req.origin_input_ids), deadline_override_s(custom), arrival
+def tp_share(sched: Any) -> tuple[bool, Optional[Share]]:
+    """(this rank leads, how orders reach the TP group): TP rank 0 leads and broadcasts over the
+    scheduler's TP CPU (gloo) group with SGLang's ``broadcast_pyobj``, the primitive its request
+    receiver uses to give every TP rank the same requests each loop."""
+    group = getattr(sched, "tp_group", None)
+    if getattr(sched, "tp_size", 1) <= 1 or group is None or group.world_size <= 1:
+        return True, None
+    from sglang.srt.utils import broadcast_pyobj
+
+    src = group.ranks[0]
+    leader = group.rank == src
+
+    def share(orders: Any) -> Any:
+        out = broadcast_pyobj([orders] if leader else [], group.rank, group.cpu_group, src=src)
+        return out[0]
+
+    return leader, share
+
+
+def newcomers(waiting_queue: Iterable[Any], now: float) -> list[tuple]:
+    """The waiting requests not booked yet, as :meth:`BudgetRuntime.plan` takes them (rid, prompt
+    tokens, own deadline in seconds or ``None``, arrival); marks them booked, so a request
+    queued again (retracted) keeps its first deadline."""
+    out = []
+    perf_now = time.perf_counter()
+    for req in waiting_queue:
+        if getattr(req, "_kda_booked", False):
+            continue
+        req._kda_booked = True
+        created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        arrival = arrival_time(created, now, perf_now)
+        out.append((req.rid, len(req.origin_input_ids), deadline_override_s(custom), arrival))
+    return out
+
+
+def refuse(waiting_queue: Iterable[Any], refused: dict) -> None:
+    """Mark the refused requests aborted (a 400 naming the deadline), on every rank alike. SGLang
+    still runs such a request through one prefill round, then finishes it with the message."""
+    if refused:
+        for req in waiting_queue:
+            msg = refused.get(req.rid)
+            if msg:
+                req.set_finish_with_abort(msg)
 
 
 def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
