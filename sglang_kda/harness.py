@@ -120,34 +120,39 @@ class Server:
         cmd = [sys.executable, "-m", "sglang_kda.launch_server", "--port", str(self.port), *args]
         full_env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
         full_env.update(env or {})
+        self._start(cmd, full_env, ready_timeout_s)
+
+    def _start(self, cmd: list[str], env: Optional[Mapping[str, str]], timeout_s: float) -> None:
+        """Starts ``cmd`` in its own process group and waits until :meth:`_ready`; stops it and
+        raises if it exits first or is not ready within ``timeout_s``."""
         self._log_fh = open(self.log, "wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            self._wait_ready(ready_timeout_s)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < timeout_s:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode} (log {self.log}):\n"
+                        f"{self.tail()}"
+                    )
+                try:
+                    if self._ready():
+                        self.ready_s = time.monotonic() - t0
+                        return
+                except (requests.RequestException, ValueError):
+                    pass
+                time.sleep(1)
+            raise TimeoutError(
+                f"{self.name} not ready after {timeout_s:.0f}s (log {self.log}):\n{self.tail()}"
+            )
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} server exited with {self.proc.returncode} (log {self.log}):\n"
-                    f"{self.tail()}"
-                )
-            try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
-                    self.ready_s = time.monotonic() - t0
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(
-            f"{self.name} server not ready after {timeout_s:.0f}s (log {self.log}):\n{self.tail()}"
-        )
+    def _ready(self) -> bool:
+        return requests.get(self.url + "/health_generate", timeout=30).status_code == 200
 
     def tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the server's output (each cut at 400 characters)."""
@@ -292,35 +297,11 @@ class Router(Server):
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--worker-startup-check-interval", "1", *extra,
         ]  # fmt: skip
-        self._log_fh = open(self.log, "wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log_fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            self._wait_ready(ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self._start(cmd, None, ready_timeout_s)
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} (log {self.log}):\n"
-                    f"{self.tail()}"
-                )
-            try:
-                r = requests.get(self.url + "/readiness", timeout=10)
-                if r.status_code == 200 and r.json().get("healthy_workers", 0) >= self.n_workers:
-                    self.ready_s = time.monotonic() - t0
-                    return
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(
-            f"{self.name} not ready after {timeout_s:.0f}s (log {self.log}):\n{self.tail()}"
-        )
+    def _ready(self) -> bool:
+        r = requests.get(self.url + "/readiness", timeout=10)
+        return r.status_code == 200 and r.json().get("healthy_workers", 0) >= self.n_workers
 
 
 # --- Metrics -------------------------------------------------------------------------------------
