@@ -75,7 +75,10 @@ REPO = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 600.0
 FLUSH_TIMEOUT_S = 120.0
 # Variables a launched server must not inherit: the launcher decides the CPU engine itself, and
-# the kernel tests' Triton interpreter flag has no business in a server.
+# the kernel tests' Triton interpreter flag has no business in a server. A caller that wants
+# one opts in explicitly through ``Server(..., env={...})`` (applied after the scrub):
+# tests/server/test_triton_tier.py passes ``TRITON_INTERPRET=1`` to run sglang_kda's Triton
+# kernels in a CPU server.
 _SCRUBBED_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET")
 
 

@@ -319,6 +319,11 @@ def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
     cpu_engine = not has_cuda()
     if cpu_engine:
         _reject_on_cpu(rest)
+        if config.kernel == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "--kda-kernel triton needs a CUDA GPU, or TRITON_INTERPRET=1 on CPU (Triton's "
+                "interpreter: correct but about a second per kernel program, for tests)"
+            )
         rest += cpu_defaults(rest, model_path)
     elif config.kernel == "triton":
         rest += triton_kernel_defaults(rest)
