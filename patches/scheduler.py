@@ -27,7 +27,9 @@ How: each round :meth:`sglang_kda.policy.runtime.BudgetRuntime.plan` (the one ro
     even alone (a 400). At TP > 1, TP rank 0 plans and broadcasts the round's orders over the TP
     CPU group in this same call on every rank (whenever anything is queued, which all ranks see
     alike), so all ranks build the same batch. ``run_batch`` + ``process_batch_result`` time
-    each step for the cost model's online fit and book each prefill's progress and finish. With
+    each step for the cost model's online fit and book each prefill's progress and finish, keyed
+    by the step's result object (:class:`sglang_kda.policy.runtime.StepClock`), so the overlap
+    scheduler's run-ahead cannot pair one batch's shape with another's time. With
     the serial budget (``--kda-budget serial``, or ``auto`` under ``--kda-policy kda``), models
     with KDA layers, chunked prefill and one pipeline stage
     (:func:`sglang_kda.policy.runtime.why_off`); otherwise upstream runs untouched.
@@ -115,26 +117,20 @@ def apply(ctx) -> None:
     @functools.wraps(orig_run)
     def run_batch(self, batch, *args, **kwargs):
         st = getattr(self, "_kda_budget", None)
-        if st and st.leader:
-            st.step_shape = batch_shape(batch)
-            st.step_start = time.perf_counter()
-        return orig_run(self, batch, *args, **kwargs)
+        if not (st and st.leader):
+            return orig_run(self, batch, *args, **kwargs)
+        shape, prefills = batch_shape(batch), rt.prefills_in(batch)
+        start = time.perf_counter()
+        result = orig_run(self, batch, *args, **kwargs)
+        st.launched(result, start, shape, prefills)  # keyed by the result: overlap runs ahead
+        return result
 
     @functools.wraps(orig_process)
     def process_batch_result(self, batch, result, *args, **kwargs):
         out = orig_process(self, batch, result, *args, **kwargs)
         st = getattr(self, "_kda_budget", None)
-        if st and st.step_start is not None:
-            seconds = time.perf_counter() - st.step_start
-            shape, st.step_start = st.step_shape, None
-            st.step_ran(shape, seconds)
-            if batch.forward_mode.is_extend():
-                now = time.monotonic()
-                for rid, done in rt.prefills_in(batch):
-                    if done is None:
-                        st.prefill_finished(rid, now)
-                    else:
-                        st.prefill_progress(rid, done)
+        if st:
+            st.finished(result, time.perf_counter(), time.monotonic())
         return out
 
     cls._get_new_batch_prefill_raw = _get_new_batch_prefill_raw

@@ -135,9 +135,12 @@ def test_newcomers_are_booked_once_with_their_own_deadline_and_arrival():
     assert rt.deadline_override_s(None) is None and rt.deadline_override_s({}) is None
 
 
-def test_the_prefills_of_a_batch_after_it_ran():
+def test_the_prefills_of_a_batch_about_to_run():
     chunked, done, decoding = NS(rid="c"), NS(rid="d"), NS(rid="x")
+    mixed = NS(is_extend=lambda: True)
+    assert rt.prefills_in(NS(forward_mode=NS(is_extend=lambda: False))) == []
     batch = NS(
+        forward_mode=mixed,
         reqs=[done, chunked, decoding],
         decoding_reqs=[decoding],
         chunked_req=chunked,
@@ -152,6 +155,55 @@ def test_the_planners_queue_lists_the_in_flight_request_last():
     assert rt.round_queue(sched) == ([("w1", 64), ("w2", 0), ("c", 0)], "c")
     sched.chunked_req = None
     assert rt.round_queue(sched)[1] is None
+
+
+# -- step timing under the overlap scheduler ------------------------------------------------------
+def test_step_times_stay_with_their_batch_when_the_scheduler_runs_ahead():
+    """Overlap order: run N, run N+1, process N, process N+1. Each result gets its own batch's
+    shape back; N+1's time counts from N's result (it could not start on the device before)."""
+    clock = rt.StepClock()
+    res_n, res_n1 = object(), object()  # the result objects run_batch returned
+    clock.launched(res_n, 10.0, "shape N")
+    clock.launched(res_n1, 10.2, "shape N+1")
+    assert clock.finished(res_n, 11.0) == ("shape N", pytest.approx(1.0))
+    assert clock.finished(res_n1, 11.5) == ("shape N+1", pytest.approx(0.5))
+    # without overlap: from launch to result
+    res = object()
+    clock.launched(res, 20.0, "shape")
+    assert clock.finished(res, 20.3) == ("shape", pytest.approx(0.3))
+    assert clock.finished(res, 20.4) is None  # once
+    assert clock.finished(object(), 21.0) is None  # never launched here
+
+
+def test_the_clock_forgets_steps_whose_result_never_came():
+    clock = rt.StepClock()
+    keys = [object() for _ in range(rt.MAX_PENDING + 3)]
+    for i, k in enumerate(keys):
+        clock.launched(k, float(i), i)
+    assert len(clock.pending) == rt.MAX_PENDING
+    assert clock.finished(keys[0], 99.0) is None
+    assert clock.finished(keys[-1], 99.0)[0] == len(keys) - 1
+
+
+def test_run_ahead_books_progress_and_fit_from_the_launched_batch(tmp_path):
+    """The prefills booked are those read when the batch was launched (the overlap scheduler
+    processes a copy of the batch without its chunked request)."""
+    st = _runtime(tmp_path)
+    st.admit("p", now=0.0, total=200)
+    chunk = BatchShape((), (Slice(0, 128),))
+    rest = BatchShape((), (Slice(128, 72),))
+    res_n, res_n1 = object(), object()
+    st.launched(res_n, 10.0, chunk, [("p", 128)])
+    st.launched(res_n1, 10.2, rest, [("p", None)])
+    st.finished(res_n, 11.0, now=1.0)
+    assert st.book.live["p"].done == 128 and st.fit.n_observed == 1
+    st.finished(res_n1, 11.5, now=1.5)
+    assert "p" not in st.book.live and st.book.stats.met == 1 and st.fit.n_observed == 2
+    follower = _runtime(tmp_path / "f")
+    follower.leader = False
+    follower.launched(res_n, 10.0, chunk, [("p", 128)])
+    follower.finished(res_n, 11.0, now=1.0)
+    assert follower.fit.n_observed == 0  # only the planning rank times steps
 
 
 # -- TP ranks: one plans, all apply ------------------------------------------------------------

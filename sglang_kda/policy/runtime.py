@@ -17,6 +17,9 @@ remembers lives here, so it can be tested without a server:
   saves the cost model, books deadlines and exports metrics; the others count the rounds they
   apply. The exchange happens in every round with something to prefill, a state all ranks share,
   so no rank waits on a broadcast the others skip.
+* :class:`StepClock`: each step timed from its launch to its result, keyed by the step's
+  result object, so the overlap scheduler's run-ahead (batch N+1 launched before batch N's
+  result is processed) cannot pair one batch's shape with another's time.
 * The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
   model/device/dtype, :func:`sglang_kda.policy.cost_model.default_cache_path`) and saved after
   :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
@@ -30,6 +33,7 @@ module are the thin edge that reads them off SGLang's objects.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -168,6 +172,44 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     return CostModel(kda_layers=kda_layers, mla_layers=mla)
 
 
+# -- step timing ---------------------------------------------------------------------------------
+MAX_PENDING = 8  # steps launched and not yet finished that the clock remembers (overlap: 2)
+
+
+@dataclass
+class StepClock:
+    """Times each step from its launch to its result, keyed by the step (any object: the
+    scheduler passes the result object ``run_batch`` returns, which ``process_batch_result`` gets
+    back; the overlap scheduler hands that a copy of the batch, so the batch is no key).
+
+    A step starts on the device when it is launched and the step before it is done: under the
+    overlap scheduler batch N+1 is launched while batch N still runs, so its time counts from
+    N's result (``max(launch, previous result)``); without overlap that is its launch. What the
+    caller stamps at launch (``info``: the batch's shape and prefills) comes back with the time.
+    """
+
+    pending: dict = field(default_factory=dict)  # id(key) -> (key, launch time, info)
+    last_done: float = -math.inf
+
+    def launched(self, key: Any, start: float, info: Any) -> None:
+        if key is None:
+            return
+        self.pending[id(key)] = (key, start, info)
+        while len(self.pending) > MAX_PENDING:  # a step whose result never came (aborted run)
+            self.pending.pop(next(iter(self.pending)))
+
+    def finished(self, key: Any, end: float) -> Optional[tuple[Any, float]]:
+        """(the launch's ``info``, seconds the step took), or ``None`` for a step never launched
+        here."""
+        item = self.pending.pop(id(key), None)
+        if item is None or item[0] is not key:
+            return None
+        _, start, info = item
+        seconds = end - max(start, self.last_done)
+        self.last_done = end
+        return info, seconds
+
+
 # -- the runtime ---------------------------------------------------------------------------------
 Share = Callable[[Any], Any]  # the leader's value in (others pass None); the leader's value out
 
@@ -198,8 +240,7 @@ class BudgetRuntime:
     path: str
     leader: bool = True
     share: Optional[Share] = None
-    step_start: Optional[float] = None
-    step_shape: Optional[BatchShape] = None
+    clock: StepClock = field(default_factory=StepClock)
     last_drift_log: int = -(10**9)
 
     @property
@@ -283,6 +324,33 @@ class BudgetRuntime:
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
         return dec
+
+    def launched(
+        self,
+        key: Any,
+        start: float,
+        shape: Optional[BatchShape],
+        prefills: Sequence[tuple[str, Optional[int]]] = (),
+    ) -> None:
+        """A step was launched at ``start`` (``time.perf_counter``): its shape and its prefills
+        as :func:`prefills_in` reads them, kept for :meth:`finished`. Only the planning rank
+        times steps."""
+        if self.leader:
+            self.clock.launched(key, start, (shape, tuple(prefills)))
+
+    def finished(self, key: Any, end: float, now: float) -> None:
+        """The result of the step launched as ``key`` is in at ``end`` (``time.perf_counter``;
+        ``now``: ``time.monotonic``): learn its time, book its prefills' progress and finish."""
+        got = self.clock.finished(key, end)
+        if got is None:
+            return
+        (shape, prefills), seconds = got
+        self.step_ran(shape, seconds)
+        for rid, done in prefills:
+            if done is None:
+                self.prefill_finished(rid, now)
+            else:
+                self.prefill_progress(rid, done)
 
     def step_ran(self, shape: Optional[BatchShape], seconds: float) -> None:
         """A step of ``shape`` took ``seconds``: fit the cost model, and turn pacing on when a
@@ -487,9 +555,12 @@ def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
 
 
 def prefills_in(batch: Any) -> list[tuple[str, Optional[int]]]:
-    """The prefills of an extend batch after it ran: (rid, prompt tokens done) of the chunked
-    request, (rid, ``None``) of each one whose prefill is complete; decode requests of a mixed
-    batch left out."""
+    """The prefills of a batch about to run: (rid, prompt tokens done after it) of the chunked
+    request, (rid, ``None``) of each one whose prefill it completes; decode requests of a mixed
+    batch left out; none for a decode batch. Read at launch: the overlap scheduler hands
+    ``process_batch_result`` a copy of the batch without ``chunked_req``."""
+    if not batch.forward_mode.is_extend():
+        return []
     dec = set(map(id, batch.decoding_reqs or ()))
     out: list[tuple[str, Optional[int]]] = []
     for i, req in enumerate(batch.reqs):
