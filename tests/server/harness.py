@@ -55,6 +55,35 @@ def check_against_reference(server: Server, prompts, reference, order) -> list[i
     return cached
 
 
+def reference_greedy(tiny_model_dir: Path, new: int):
+    """``expected(ids) -> (greedy tokens, their log-probs)`` from the independent float64 forward
+    (``tests/reference_forward.py``), ``new`` tokens per prompt, memoized per prompt."""
+    from reference_forward import ReferenceKimiLinear
+
+    model = ReferenceKimiLinear.load(tiny_model_dir)
+    memo: dict = {}
+
+    def expected(ids: list[int]) -> tuple[list[int], list[float]]:
+        key = tuple(ids)
+        if key not in memo:
+            tokens, logits = model.greedy_generate(ids, new, return_logits=True)
+            lp = logits.log_softmax(-1)
+            memo[key] = (list(tokens), [float(lp[i, t]) for i, t in enumerate(tokens)])
+        return memo[key]
+
+    return expected
+
+
+def assert_matches_reference(out: dict, expected: tuple, what: str) -> None:
+    """Greedy tokens identical to the reference's, log-probs within ``LOGPROB_ATOL`` (a prefix
+    of the reference when the server returned fewer tokens)."""
+    n = len(out["output_ids"])
+    tokens, logprobs = expected[0][:n], expected[1][:n]
+    assert out["output_ids"] == tokens, f"{what}: greedy tokens differ from the reference"
+    got = [lp for lp, _t, *_ in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"{what}: log-probs differ"
+
+
 # Function forms of the Server methods, as the test modules call them.
 
 

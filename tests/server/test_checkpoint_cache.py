@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (
-    LOGPROB_ATOL,
+    assert_matches_reference,
     flush_cache_until_ok,
     kda_report,
+    reference_greedy,
     start_server,
     wait_until_no_requests,
 )
-from reference_forward import ReferenceKimiLinear
 
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
@@ -36,18 +36,7 @@ VOCAB_LO, VOCAB_HI = 10, 1000
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    model = ReferenceKimiLinear.load(tiny_model_dir)
-    memo: dict = {}
-
-    def expected(ids):
-        key = tuple(ids)
-        if key not in memo:
-            tokens, logits = model.greedy_generate(ids, NEW, return_logits=True)
-            lp = logits.log_softmax(-1)
-            memo[key] = (list(tokens), [float(lp[i, t]) for i, t in enumerate(tokens)])
-        return memo[key]
-
-    return expected
+    return reference_greedy(tiny_model_dir, NEW)
 
 
 POISON = "poison-"
@@ -91,10 +80,7 @@ def gen(server, ids, rid=None, new=NEW) -> dict:
 
 
 def assert_matches(out: dict, expected, what: str) -> None:
-    tokens, logprobs = expected
-    assert out["output_ids"] == tokens, f"{what}: greedy tokens differ from the reference"
-    got = [lp for lp, _t, *_ in out["meta_info"]["output_token_logprobs"]]
-    assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"{what}: log-probs differ"
+    assert_matches_reference(out, expected, what)
 
 
 def cache_stats(server) -> dict:

@@ -57,7 +57,7 @@ def greedy_in_pieces(ref, prompt: list[int], new_tokens: int):
         rows.append(logits.log_softmax(-1))
         tokens.append(int(logits.argmax()))
         if len(tokens) == new_tokens:
-            return tokens, [float(r[t]) for r, t in zip(rows, tokens)]
+            return tokens, [float(r[t]) for r, t in zip(rows, tokens, strict=True)]
         logits = ref.decode_step(state, tokens[-1])
 
 

@@ -1,10 +1,10 @@
 """Short requests do not wait behind a long chunked prefill (issue 20), on the real server.
 
-A long prompt is prefilled in 256-token rounds; short prompts sent while it runs enter the next
+A long prompt is prefilled in 128-token rounds; short prompts sent while it runs enter the next
 round beside it (``sglang_kda.policy.round.make_room``), answer while the long prompt is still
 prefilling, and every output equals the float64 reference forward. With the default flags (the
-serial budget on) and with ``--kda-budget off``; ``--kda-debug-integrity on`` checks tree, state pool and live
-requests after every prefill step.
+serial budget on) and with ``--kda-budget off``; ``--kda-debug-integrity on`` checks tree, state
+pool and live requests after every prefill step.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import threading
 import time
 
 import pytest
-from harness import LOGPROB_ATOL, kda_report, start_server
-from reference_forward import ReferenceKimiLinear
+from harness import assert_matches_reference, kda_report, reference_greedy, start_server
 
 pytestmark = pytest.mark.server
 
 NEW = 4
-LONG = 4_000  # 16 rounds at chunk 256 (the long prompt keeps half of each round it shares)
-CHUNK = 256
+LONG = 4_000  # 32 rounds at chunk 128 (the long prompt keeps half of each round it shares)
+CHUNK = 128
 SHORT = (20, 45, 33)
 VOCAB_LO, VOCAB_HI = 10, 1000
 
@@ -46,14 +45,9 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir, prompts):
-    model = ReferenceKimiLinear.load(tiny_model_dir)
+    ref = reference_greedy(tiny_model_dir, NEW)
     long, shorts = prompts
-    out = []
-    for ids in [long, *shorts]:
-        tokens, logits = model.greedy_generate(ids, NEW, return_logits=True)
-        lp = logits.log_softmax(-1)
-        out.append((list(tokens), [float(lp[i, t]) for i, t in enumerate(tokens)]))
-    return out
+    return [ref(ids) for ids in [long, *shorts]]
 
 
 def _gen(server, ids, new) -> dict:
@@ -98,11 +92,7 @@ def test_short_prompts_answer_while_the_long_prefill_runs(server, prompts, expec
         assert done[f"s{i}"][0] < done["long"][0], f"short {i} waited for the long prefill"
     # outputs equal the reference: sharing rounds changes nothing
     for name, exp in zip(["long", "s0", "s1", "s2"], expected, strict=True):
-        out = done[name][1]
-        tokens, logprobs = exp[0][: len(out["output_ids"])], exp[1][: len(out["output_ids"])]
-        assert out["output_ids"] == tokens, f"{name}: greedy tokens differ from the reference"
-        got = [lp for lp, _t, *_ in out["meta_info"]["output_token_logprobs"]]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL), f"{name}: log-probs differ"
+        assert_matches_reference(done[name][1], exp, name)
     after = kda_report(server)["cache"]
     assert after["rounds_made_room"] > before["rounds_made_room"]
     assert after["integrity"]["ok"], after["integrity"]
