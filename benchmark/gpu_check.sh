@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU session (a lent H200, 15 minutes of device time in all, start included): every
-# step has its own timeout and the whole script stops itself at 11 minutes, so it can run once with
-# room for one rerun. Everything lands in $OUT/gpu_check.txt (plus the benchmark CSV).
+# step has its own timeout and the whole script stops itself at 10 minutes, so it can run once with
+# room for one rerun. Everything lands in $OUT/gpu_check.txt (plus the benchmark CSV and JSON).
 #
 # On the device tool's machine (python3 with CUDA torch + Triton there, nothing fetchable):
 #   carry [".whl"]; command: bash benchmark/gpu_check.sh
@@ -9,19 +9,27 @@
 # requirements/test.txt). Made here with
 #   echo /.whl/ >> .git/info/exclude
 #   .venv/bin/pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
-# Elsewhere: PY=.venv/bin/python bash benchmark/gpu_check.sh (a venv with CUDA torch + triton).
+# Elsewhere: PY=.venv/bin/python bash benchmark/gpu_check.sh (a venv with CUDA torch + triton;
+# with SGLang 0.5.23 and this package installed, `pip install -e .`, step 4 serves the model).
 #
-# Steps (budget, s): 1 device facts; 2 pre-warm: compile every kernel of ours at the Kimi shapes and
-# fla's autotune on a small call (150); 3 GPU kernel tests (150); 4 timing ours / fla / SGLang at
-# T = 8k, 32k, 128k with checkpoints every 64, 256, 1024, bf16 error vs fla (300); 5 decode
-# captured in a CUDA graph and replayed against eager (60).
+# Steps (budget, s): 1 device facts (15); 2 pre-warm: compile every kernel of ours at the Kimi
+# shapes and fla's autotune on a small call (80); 3 GPU tests: kernels vs references, and one
+# extend through the adapter with grid checkpoints + SGLang's extra_buffer track snapshot under
+# CUDA's sync debug mode (no host read allowed) (90); 4 serving (240): the tiny model in bf16
+# with default flags (overlap scheduler, extra_buffer; auto = our Triton kernel under the kda
+# policy), with --kda-kernel triton --page-size 64, then SGLang's own kernel if time is left:
+# answers vs the float64 reference, cached tokens on a repeat, an off-grid divergence, twins and
+# a 1,500-token divergence, cache integrity (benchmark/gpu_serve_check.py; skipped, saying so,
+# where SGLang is not installed: the lent machine has no SGLang and it is too large to carry);
+# 5 timing ours / fla / SGLang at T = 8k, 32k, 128k with checkpoints every 64, 256, 1024, bf16
+# error vs fla (150); 6 decode captured in a CUDA graph and replayed against eager (30).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmark/results/gpu_check}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.txt"
 : >"$LOG"
-DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-660} ))
+DEADLINE=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-600} ))
 export PYTHONUNBUFFERED=1
 
 if [ -z "${PY:-}" ]; then
@@ -31,11 +39,13 @@ if [ -z "${PY:-}" ]; then
     PY=python3
   fi
 fi
-# the source tree as the sglang_kda.kernels package (no install needed)
+# the source tree as the sglang_kda package with its kernels (no install needed): the kernels
+# come from the symlink, every other submodule from the checkout's sglang_kda/
 SITE=/tmp/sglang_kda_site
 mkdir -p "$SITE/sglang_kda"
 ln -sfn "$PWD/kernels" "$SITE/sglang_kda/kernels"
-[ -f "$SITE/sglang_kda/__init__.py" ] || : >"$SITE/sglang_kda/__init__.py"
+echo "__path__.append('$PWD/sglang_kda')" >"$SITE/sglang_kda/__init__.py"
+PLAIN_PYTHONPATH=${PYTHONPATH:-}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/fla_site .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH="/tmp/fla_site:${PYTHONPATH:-}"
@@ -57,11 +67,11 @@ step() {  # step NAME SECONDS CMD...: bounded by its budget and by the script's 
   echo "=== $name: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
 }
 
-step "device" 20 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; \
+step "device" 15 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; \
   $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'; \
   $PY -c 'import fla; print(\"fla\", fla.__version__)' || echo 'fla: not importable'"
 
-step "prewarm" 150 $PY - <<'EOF'
+step "prewarm" 80 $PY - <<'EOF'
 import time, torch
 import sglang_kda.kernels.kda_triton as kt
 t0 = time.time()
@@ -93,12 +103,26 @@ except Exception as e:
     print(f"fla: {type(e).__name__}: {e}")
 EOF
 
-step "gpu tests" 150 $PY -m pytest -q -x tests/kernels/test_kda_triton.py -m gpu -p no:cacheprovider \
-  -o addopts="" --import-mode=importlib
+step "gpu tests" 90 $PY -m pytest -q tests/kernels/test_kda_triton.py tests/kernels/test_capture_gpu.py \
+  -m gpu -p no:cacheprovider -o addopts="" --import-mode=importlib
 
-step "timing" 300 $PY benchmark/kernel_kda.py --T 8192,32768,131072 --reps 3 --out "$OUT/kernel_kda.csv"
+# Serving needs the installed package (its plugin is an entry point), so not the SITE path.
+if PYTHONPATH="$PLAIN_PYTHONPATH" $PY -c "
+import sglang, importlib.metadata as m
+assert sglang.__version__ == '0.5.23', sglang.__version__
+assert any(e.name == 'sglang_kda' for e in m.entry_points(group='sglang.srt.plugins'))
+" >>"$LOG" 2>&1; then
+  step "serving" 240 env PYTHONPATH="$PLAIN_PYTHONPATH" $PY benchmark/gpu_serve_check.py \
+    --out "$OUT" --deadline-s 200 --ready-timeout 150
+else
+  echo "=== serving: skipped: SGLang 0.5.23 with sglang_kda installed is not importable here" \
+    "(pip install sglang==0.5.23 and pip install -e . first; the lent machine has no SGLang)" \
+    | tee -a "$LOG"
+fi
 
-step "decode graph" 60 $PY - <<'EOF'
+step "timing" 150 $PY benchmark/kernel_kda.py --T 8192,32768,131072 --reps 3 --out "$OUT/kernel_kda.csv"
+
+step "decode graph" 30 $PY - <<'EOF'
 import torch
 import sglang_kda.kernels.kda_triton as kt
 H, D, N, dev = 32, 128, 64, "cuda"
@@ -129,4 +153,4 @@ torch.cuda.synchronize()
 print(f"decode step (N={N}, H={H}) in a graph: {start.elapsed_time(end) / 100 * 1e3:.1f} us")
 EOF
 
-echo "gpu_check: done in $(( $(date +%s) - DEADLINE + ${GPU_CHECK_BUDGET_S:-660} ))s; log $LOG" | tee -a "$LOG"
+echo "gpu_check: done in $(( $(date +%s) - DEADLINE + ${GPU_CHECK_BUDGET_S:-600} ))s; log $LOG" | tee -a "$LOG"

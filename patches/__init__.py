@@ -43,6 +43,8 @@ PATCH_MODULES = (
     "http_server",
     "openai_serving",
     "tp_worker",
+    "hybrid_linear_attn_backend",
+    "schedule_batch",
 )
 
 _applied: list[str] = []

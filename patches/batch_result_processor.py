@@ -5,7 +5,8 @@ Upstream: ``SchedulerBatchResultProcessor.process_batch_result_prefill`` (runs a
 Why: the grid checkpoints captured during the forward must enter the radix tree while every
     request of the batch still holds its KV row and lock; the cache's counters and the optional
     integrity check also belong right after a prefill step.
-How: before upstream runs, takes the capture (:func:`sglang_kda.kda_adapter.take_capture`) and
+How: before upstream runs, takes the capture the forward handed over with its result
+    (:func:`sglang_kda.kda_adapter.capture_of`, paired with the batch under overlap too) and
     hands it with the batch's requests to :class:`sglang_kda.cache.prefill_step.AfterPrefill`:
     inserts the checkpoints (freeing the slots they need in one ``--kda-eviction`` walk), counts
     the prefill tokens computed, sheds tree states past ``--kda-checkpoint-pool-size``, refreshes
@@ -32,7 +33,7 @@ def wanted(ctx) -> bool:
 
 def apply(ctx) -> None:
     from sglang_kda.cache.prefill_step import AfterPrefill
-    from sglang_kda.kda_adapter import take_capture
+    from sglang_kda.kda_adapter import capture_of
 
     cls = importlib.import_module(UPSTREAM).SchedulerBatchResultProcessor
     if getattr(cls, "_sglang_kda_patched", False):
@@ -42,7 +43,7 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig)
     def process_batch_result_prefill(self, batch, result):
-        after_prefill(self.tree_cache, batch.reqs, batch.extend_lens, take_capture())
+        after_prefill(self.tree_cache, batch.reqs, batch.extend_lens, capture_of(result))
         return orig(self, batch, result)
 
     cls._orig_process_batch_result_prefill = orig

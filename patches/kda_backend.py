@@ -3,20 +3,22 @@
 Upstream: ``kda_backend.TritonKDAKernel`` (the class ``KDAKernelDispatcher`` instantiates for the
     ``triton`` linear-attention backends), ``kda_backend.causal_conv1d_fn`` (prefill short conv in
     ``KDAAttnBackend._convolve_prefill``), ``kda_backend.causal_conv1d_update`` (decode conv) and
-    ``KDAAttnBackend.forward_extend`` (``--kda-policy kda``).
+    ``KDAAttnBackend.forward_extend`` (plans the states the kernel emits).
 Why: upstream's KDA kernels are Triton-only (CPU: "not supported", the imports are skipped), and
     its chunk kernel drops the per-chunk states, so no cache can take checkpoints from it. The
     CPU conv op of sgl_kernel is bf16/fp16-only and no CPU sgl_kernel exists on the registries.
 How: ``TritonKDAKernel`` becomes the adapter of :func:`sglang_kda.kda_adapter.make_kernel_class`
     over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda_triton`` (CUDA,
-    ``--kda-kernel triton``). On CPU the two conv globals become the PyTorch ops in
-    ``sglang_kda.kernels.conv_torch``. With ``--kda-policy kda``, ``forward_extend`` runs
-    through :func:`sglang_kda.kda_adapter.capturing_extend`, which captures the grid checkpoints
-    of each KDA layer (the capture state lives in :mod:`sglang_kda.kda_adapter`); the scheduler
-    takes the capture after the forward (``patches/batch_result_processor.py``).
+    ``--kda-kernel triton``, the CUDA default under ``--kda-policy kda``). On CPU the two conv
+    globals become the PyTorch ops in ``sglang_kda.kernels.conv_torch``. ``forward_extend``
+    runs through :func:`sglang_kda.kda_adapter.capturing_extend`, which plans the states the
+    kernel emits: SGLang's ``extra_buffer`` track snapshot (any policy) and, with
+    ``--kda-policy kda``, the grid checkpoints of each KDA layer (the grid is set on the class
+    as ``_sglang_kda_capture_every``). The capture travels with the batch's result
+    (``patches/tp_worker.py`` hands it over, ``patches/batch_result_processor.py`` reads it).
 Seam: rebinding module globals and one method; upstream's stay reachable as ``_orig_*``. Not
     ``HookRegistry``: the kernel class and conv functions are looked up as module globals at
-    call time, and the capture must wrap only when the policy asks for it.
+    call time, and the wrapper needs the backend and the ``ForwardBatch`` together.
 Remove when: upstream ships a CPU KDA path and a chunk kernel that returns fp32 grid states.
 """
 
@@ -35,7 +37,7 @@ TARGETS = (
 
 
 def wanted(ctx) -> bool:
-    # ``--kda-kernel auto`` on CUDA keeps upstream's kernel.
+    # ``upstream`` (``--kda-kernel auto`` on CUDA under ``stock``) keeps SGLang's kernel.
     return ctx.kernel in ("torch", "triton")
 
 
@@ -49,18 +51,18 @@ def apply(ctx) -> None:
         return
     mod._orig_TritonKDAKernel = mod.TritonKDAKernel
     mod.TritonKDAKernel = kda_adapter.make_kernel_class(LinearAttnKernelBase, ctx.kernel)
-    if ctx.config.policy == "kda":
-        kda_adapter.set_capture_every(ctx.config.checkpoint_every_tokens())
-        backend = mod.KDAAttnBackend
-        orig = backend._orig_forward_extend = backend.forward_extend
+    backend = mod.KDAAttnBackend
+    every = ctx.config.checkpoint_every_tokens() if ctx.config.policy == "kda" else 0
+    setattr(backend, kda_adapter.EVERY_ATTR, every)
+    orig = backend._orig_forward_extend = backend.forward_extend
 
-        @functools.wraps(orig)
-        def forward_extend(self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
-            return kda_adapter.capturing_extend(
-                orig, self, layer, forward_batch, mixed_qkv, a, b, **kwargs
-            )
+    @functools.wraps(orig)
+    def forward_extend(self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+        return kda_adapter.capturing_extend(
+            orig, self, layer, forward_batch, mixed_qkv, a, b, **kwargs
+        )
 
-        backend.forward_extend = forward_extend
+    backend.forward_extend = forward_extend
     if ctx.cpu_engine:
         from sglang_kda.kernels.conv_torch import (
             causal_conv1d_fn_torch,

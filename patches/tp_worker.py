@@ -18,6 +18,11 @@ How: :class:`sglang_kda.perf_threads.ThreadPolicy` estimates the step's dense ar
     The step's shape is :func:`sglang_kda.steps.step_lens`. ``SGLANG_KDA_STEP_TRACE=FILE`` (any
     policy, off by default) appends one row per step in :mod:`sglang_kda.steps`' format
     (:func:`~sglang_kda.steps.write_step`), so a run's rounds can be set beside the simulator's.
+    With ``--kda-policy kda`` and sglang_kda's KDA kernel (any device) it also moves the
+    forward's checkpoint capture onto the result it returns
+    (:func:`sglang_kda.kda_adapter.hand_over`): the scheduler keeps that result with its batch,
+    so under the overlap scheduler (batch N+1's forward before batch N's result is processed)
+    each capture still meets its own batch.
 Seam: rebinding the method (upstream's kept as ``_orig_forward_batch_generation``).
 Remove when: SGLang's CPU path sizes its intra-op parallelism per step (it sets the thread count
     once per process).
@@ -37,7 +42,11 @@ logger = logging.getLogger(__name__)
 
 
 def wanted(ctx) -> bool:
-    return ctx.cpu_engine
+    return ctx.cpu_engine or _hands_over(ctx)
+
+
+def _hands_over(ctx) -> bool:
+    return ctx.config.policy == "kda" and ctx.kernel in ("torch", "triton")
 
 
 def _policy(worker):
@@ -71,8 +80,18 @@ def apply(ctx) -> None:
 
     trace = os.environ.get(steps.TRACE_ENV)
 
+    from sglang_kda.kda_adapter import hand_over
+
+    cpu, hand = ctx.cpu_engine, _hands_over(ctx)
+
     @functools.wraps(orig)
     def forward_batch_generation(self, batch=None, *args, **kwargs):
+        result = (threaded if cpu else orig)(self, batch, *args, **kwargs)
+        if hand:
+            hand_over(self.model_runner, result)
+        return result
+
+    def threaded(self, batch=None, *args, **kwargs):
         pol = _policy(self)
         t0 = time.perf_counter() if trace else 0.0
         try:

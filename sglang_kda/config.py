@@ -29,7 +29,7 @@ from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 ENV_PREFIX = "SGLANG_KDA_"
 
 POLICIES = ("kda", "stock")
-KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton", "upstream")
 BUDGETS = ("auto", "serial", "off")  # --kda-budget
 SWITCH = ("on", "off")
 DEFAULT_MAX_N = 16  # --kda-max-n
@@ -186,9 +186,11 @@ class KDAConfig:
         "auto",
         KERNELS,
         "KDA kernel path. `torch`: the chunked PyTorch path (kernels/kda_torch.py; CPU, any "
-        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda_triton.py; GPU; "
-        "the launcher then selects `--mamba-radix-cache-strategy no_buffer "
-        "--disable-overlap-schedule`); `auto`: torch on CPU, SGLang's own Triton kernel on CUDA.",
+        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda_triton.py; GPU, "
+        "or CPU under `TRITON_INTERPRET=1`); both write SGLang's `extra_buffer` track snapshot, "
+        "so the overlap scheduler and any page size run; `upstream`: SGLang's own KDA kernel "
+        "(no grid checkpoints); `auto`: torch on CPU; on CUDA `triton` under `--kda-policy kda`, "
+        "`upstream` under `stock` (docs/gpu.md).",
     )
     max_n: int = flag(
         DEFAULT_MAX_N,
@@ -330,8 +332,13 @@ class KDAConfig:
         return self.budget == "serial" or (self.budget == "auto" and self.policy == "kda")
 
     def resolved_kernel(self, on_cuda: bool) -> str:
+        """The kernel in SGLang's KDA slot. ``auto`` on CUDA: sglang_kda's Triton kernel under
+        the kda policy (the checkpoint cache needs its fp32 grid states, which SGLang's kernel
+        does not emit: docs/gpu.md), SGLang's own under ``stock`` (the unmodified baseline)."""
         if self.kernel == "auto":
-            return "upstream" if on_cuda else "torch"
+            if not on_cuda:
+                return "torch"
+            return "triton" if self.policy == "kda" else "upstream"
         return self.kernel
 
 

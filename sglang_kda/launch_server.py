@@ -91,7 +91,10 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
       ``patches/mla_cpu.py``); ``--sampling-backend pytorch``.
     * ``--sleep-on-idle``: an idle scheduler otherwise spins a whole core polling its sockets.
     * ``--disable-overlap-schedule`` and ``--mamba-radix-cache-strategy no_buffer``: upstream's
-      ``auto`` picks ``extra_buffer`` under overlap scheduling, which the CPU platform refuses.
+      ``auto`` picks ``extra_buffer`` under overlap scheduling, which SGLang's in-tree CPU
+      platform refuses. With ``--mamba-radix-cache-strategy extra_buffer`` given, neither is
+      added: the server runs on :mod:`sglang_kda.cpu.platform` (see :func:`cpu_env`) with the
+      overlap scheduler and any ``--page-size``, the configuration GPUs serve with.
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
       float32 checkpoints to float16, which is slow on CPUs and lossy).
     * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
@@ -109,15 +112,21 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     default("--device", "cpu")
     default("--attention-backend", "torch_native")
     default("--sampling-backend", "pytorch")
-    default("--disable-overlap-schedule")
+    if not extra_buffer_on_cpu(argv):
+        default("--disable-overlap-schedule")
+        default("--mamba-radix-cache-strategy", "no_buffer")
     default("--sleep-on-idle")
-    default("--mamba-radix-cache-strategy", "no_buffer")
     default("--mem-fraction-static", "0.1")
     default("--max-mamba-cache-size", "256")
     default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
     dtype = _checkpoint_dtype(model_path)
     default("--dtype", "bfloat16" if dtype in (None, "float16", "bfloat16") else "float32")
     return extra
+
+
+def extra_buffer_on_cpu(argv: list[str]) -> bool:
+    """Whether a CPU server was asked for SGLang's ``extra_buffer`` state cache."""
+    return _flag_value(argv, "--mamba-radix-cache-strategy") == "extra_buffer"
 
 
 def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
@@ -129,6 +138,10 @@ def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
     tiny model). A user's own setting wins.
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if extra_buffer_on_cpu(sglang_argv):
+        from sglang_kda.cpu.platform import PLATFORM_NAME
+
+        env["SGLANG_PLATFORM"] = PLATFORM_NAME  # SGLang's CPU platform, extra_buffer allowed
     if (
         "SGLANG_MAMBA_CONV_DTYPE" not in os.environ
         and _flag_value(sglang_argv, "--dtype") == "float32"
@@ -282,15 +295,11 @@ def _reject_on_cpu(argv: list[str]) -> None:
         raise ConfigError(
             "--speculative-algorithm is not supported on the CPU engine by sglang_kda"
         )
-    _require_no_buffer(argv, "on CPU")
-
-
-def _require_no_buffer(argv: list[str], where: str) -> None:
-    """The KDA paths of sglang_kda keep no ``extra_buffer`` track snapshot."""
     strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
-    if strategy not in (None, "no_buffer"):
+    if strategy not in (None, "no_buffer", "extra_buffer"):
         raise ConfigError(
-            f"--mamba-radix-cache-strategy {strategy} is not supported {where}; use no_buffer"
+            f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use no_buffer "
+            "(the default) or extra_buffer"
         )
 
 
@@ -324,23 +333,12 @@ def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
                 "--kda-kernel triton needs a CUDA GPU, or TRITON_INTERPRET=1 on CPU (Triton's "
                 "interpreter: correct but about a second per kernel program, for tests)"
             )
+        if config.kernel == "upstream":
+            raise ConfigError("--kda-kernel upstream (SGLang's own KDA kernel) needs a CUDA GPU")
         rest += cpu_defaults(rest, model_path)
-    elif config.kernel == "triton":
-        rest += triton_kernel_defaults(rest)
+    # On CUDA nothing is added for any kernel: sglang_kda's writes SGLang's extra_buffer track
+    # snapshot, so SGLang's own choices (overlap scheduler, extra_buffer, page size) stand.
     return config, rest, cpu_engine
-
-
-def triton_kernel_defaults(argv: list[str]) -> list[str]:
-    """sglang_kda's Triton kernel does not fill SGLang's ``extra_buffer`` track snapshot (the
-    checkpoint pool replaces it), so the state cache must run ``no_buffer``, which SGLang allows
-    only without the overlap scheduler."""
-    _require_no_buffer(argv, "with --kda-kernel triton")
-    extra = []
-    if not _has_flag(argv, "--mamba-radix-cache-strategy"):
-        extra += ["--mamba-radix-cache-strategy", "no_buffer"]
-    if not _has_flag(argv, "--disable-overlap-schedule"):
-        extra.append("--disable-overlap-schedule")
-    return extra
 
 
 def print_help() -> None:

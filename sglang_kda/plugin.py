@@ -17,7 +17,9 @@ settings).
 SGLang's own switches act before this one: ``SGLANG_PLUGINS`` (comma-separated entry point names)
 restricts which general plugins are loaded at all (leave ``sglang_kda`` out and :func:`load` is
 never called), and ``SGLANG_PLATFORM`` selects the hardware platform plugin and skips general
-plugins of unselected platform packages (this package ships no platform plugin). Both live in
+plugins of unselected platform packages (this package ships one, ``sglang_kda_cpu``, which the
+launcher selects only for a CPU server running ``extra_buffer``; with ``SGLANG_PLATFORM`` naming
+another platform, SGLang skips this plugin too). Both live in
 ``sglang/srt/plugins/__init__.py``.
 
 Loading the entry point still imports the ``sglang_kda`` package, whose import guards

@@ -64,7 +64,7 @@ def test_plain_server_is_refused_nothing(parse):
 @pytest.mark.parametrize("case", sorted(REFUSED_UNDER_KDA))
 def test_kda_policy_refuses_with_flag_and_reason(parse, case):
     argv, flag, word = REFUSED_UNDER_KDA[case]
-    found = refusals(parse(argv), KDA, on_cuda=True)  # auto on CUDA: SGLang's own kernel
+    found = refusals(parse(argv), KDA, on_cuda=True)  # auto on CUDA: our Triton kernel
     assert [r.flag.split(" (")[0] for r in found] == [flag]
     assert word in found[0].reason
     assert str(found[0]).startswith(flag) and found[0].reason in str(found[0])

@@ -58,7 +58,7 @@ def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
     assert argv[argv.index("--device") + 1] == "cpu"
     assert argv[argv.index("--port") + 1] == "30000"
     with pytest.raises(ConfigError, match="--mamba-radix-cache-strategy"):
-        build_argv(["--model-path", ".", "--mamba-radix-cache-strategy", "extra_buffer"])
+        build_argv(["--model-path", ".", "--mamba-radix-cache-strategy", "extra_buffer_lazy"])
     with pytest.raises(ConfigError, match="--speculative-algorithm"):
         build_argv(["--model-path", ".", "--speculative-algorithm", "EAGLE"])
 
@@ -86,20 +86,17 @@ def test_help_lists_kda_and_sglang_flags():
     assert "--chunked-prefill-size" in proc.stdout
 
 
-def test_triton_kernel_on_cuda_forces_no_buffer(tiny_model_dir, monkeypatch):
+def test_cuda_keeps_sglangs_own_state_cache_choices(tiny_model_dir, monkeypatch):
+    """sglang_kda's kernels write SGLang's extra_buffer track snapshot: on CUDA the launcher adds
+    nothing for any kernel (overlap scheduler, strategy and page size are SGLang's)."""
     import sglang_kda.launch_server as ls
 
     monkeypatch.setattr(ls, "has_cuda", lambda: True)
-    _, argv, cpu = build_argv(["--model-path", str(tiny_model_dir), "--kda-kernel", "triton"])
-    assert not cpu
-    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
-    assert "--disable-overlap-schedule" in argv and "--device" not in argv
-    with pytest.raises(ConfigError, match="no_buffer"):
-        build_argv(
-            ["--model-path", ".", "--kda-kernel", "triton", "--mamba-radix-cache-strategy", "auto"]
-        )
-    _, argv, _ = build_argv(["--model-path", str(tiny_model_dir)])  # auto: stock GPU settings
-    assert "--mamba-radix-cache-strategy" not in argv
+    for kernel in ("auto", "triton", "upstream"):
+        _, argv, cpu = build_argv(["--model-path", str(tiny_model_dir), "--kda-kernel", kernel])
+        assert not cpu and "--device" not in argv
+        assert "--mamba-radix-cache-strategy" not in argv
+        assert "--disable-overlap-schedule" not in argv
 
 
 # --- CPU thread binding for several ranks (--tp/--dp on CPU) -----------------------------------

@@ -96,6 +96,9 @@ def reserve_slots(tree_cache, need: int, alpha: Optional[float]) -> int:
     return int(evict_states(tree_cache, short, alpha)) if short > 0 else 0
 
 
+_TRACKED = ("mamba_last_track_seqlen", "mamba_prev_track_seqlen")
+
+
 def insert_checkpoints(
     tree_cache, reqs: list, cap: ForwardCapture, every: int, alpha: Optional[float] = None
 ) -> int:
@@ -116,6 +119,9 @@ def insert_checkpoints(
         if pos <= req.kv.cache_protected_len:
             continue
         req._kda_checkpoint = (cap, cap.row_index(i, pos))
+        # Under extra_buffer SGLang's unfinished-insert cleanup forgets the request's tracked
+        # lengths, which its own later inserts (chunk end, finish) still need: keep them.
+        tracked = [getattr(req.kv, f, None) for f in _TRACKED]
         try:
             before = req.kv.cache_protected_len
             tree_cache.checkpoint_into_tree(req, up_to=pos)
@@ -123,6 +129,9 @@ def insert_checkpoints(
                 inserted += 1
         finally:
             req._kda_checkpoint = None
+            for f, value in zip(_TRACKED, tracked, strict=True):
+                if hasattr(req.kv, f):
+                    setattr(req.kv, f, value)
     if inserted:
         STATS.add("checkpoints_admitted", inserted)
     return inserted

@@ -85,11 +85,6 @@ def test_slot_refuses_what_it_cannot_do():
     q, k, v, g_raw, beta_raw, A_log, dt_bias = _inputs(4)
     pool = torch.zeros(1, H, K, K)
     common = dict(ssm_states=pool, cache_indices=torch.tensor([0]), A_log=A_log, dt_bias=dt_bias)
-    with pytest.raises(NotImplementedError, match="no_buffer"):
-        kernel.extend(
-            q, k, v, g_raw, beta_raw, query_start_loc=torch.tensor([0, 4]),
-            beta_is_raw=True, return_intermediate_states=True, **common,
-        )  # fmt: skip
     with pytest.raises(NotImplementedError, match="one token per sequence"):
         kernel.decode(q, k, v, g_raw, beta_raw, query_start_loc=torch.tensor([0, 4]), **common)
 
@@ -115,3 +110,42 @@ def test_triton_extend_takes_host_lengths_not_query_start_loc():
         outs.append((o, slots[rows].clone()))
     for o, s in outs[1:]:
         assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_extend_writes_the_extra_buffer_track_snapshot(path):
+    """Under ``extra_buffer`` SGLang passes ``return_intermediate_states`` with an fp32
+    ``track_state`` [N, H, V, K] and ``track_chunk_idx`` (-1: not tracked) and reads row i as
+    the state after ``idx[i] * 64`` tokens of sequence i's slice (here with a prefix, from a
+    pool row). The adapter returns ``(o, None)``; untracked rows stay as they were."""
+    lens, prefixes = [70, 150, 30], [0, 37, 0]
+    T = sum(lens)
+    q, k, v, g_raw, beta_raw, A_log, dt_bias = _inputs(T, seed=5)
+    init = torch.randn(3, H, K, K, generator=torch.Generator().manual_seed(6)) * 0.1
+    slots = torch.zeros(4, H, K, K)
+    rows = torch.tensor([3, 1, 0])
+    slots[rows] = init
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    track = torch.full((3, H, K, K), 7.0)
+    o, h = _kernel(path).extend(
+        q, k, v, g_raw, beta_raw,
+        ssm_states=slots, cache_indices=rows, query_start_loc=cu,
+        A_log=A_log, dt_bias=dt_bias, beta_is_raw=True, return_intermediate_states=True,
+        extend_seq_lens_cpu=lens, extend_prefix_lens=torch.tensor(prefixes),
+        track_state=track, track_chunk_idx=torch.tensor([1, 2, -1], dtype=torch.int32),
+    )  # fmt: skip
+    assert h is None and o.shape[:2] == (1, T)
+    g = naive_kda_gate(g_raw.double(), A_log.double(), dt_bias.double())
+    beta = beta_raw.double().sigmoid()
+    for i, upto in ((0, 64), (1, 128)):
+        s0 = int(cu[i])
+        _, s_ref = naive_recurrent_kda(
+            q[:, s0 : s0 + upto].double(), k[:, s0 : s0 + upto].double(),
+            v[:, s0 : s0 + upto].double(), g[:, s0 : s0 + upto], beta[:, s0 : s0 + upto],
+            initial_state=init[i : i + 1].double().transpose(-1, -2),
+            output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            track[i].double().transpose(-1, -2), s_ref[0], atol=2e-5, rtol=1e-4
+        )
+    assert torch.equal(track[2], torch.full((H, K, K), 7.0))

@@ -3,19 +3,24 @@
 The server starts with ``--kda-kernel triton`` and ``TRITON_INTERPRET=1`` in its environment
 (passed explicitly: :class:`sglang_kda.harness.Server` scrubs an inherited one), so every KDA
 extend and decode of the tiny model runs ``kernels/kda_triton.py`` in Triton's interpreter, with
-the same adapter, capture and checkpoint insertion a CUDA server runs. A torch-path server
-(``--kda-kernel torch``) runs the same scenario first; both must:
+the same adapter, capture and checkpoint insertion a CUDA server runs. It runs in the state
+cache configurations of :data:`CONFIGS`: what GPUs serve with (``extra_buffer``: the overlap
+scheduler on, page size 1 and 64; on CPU through :mod:`sglang_kda.cpu.platform`) and the CPU
+default (``no_buffer``, no overlap). In each, a torch-path server (``--kda-kernel torch``, same
+flags) runs the same scenario first; both must:
 
 * answer like the independent float64 forward (``tests/reference_forward.py``): greedy tokens
   identical, log-probs within ``LOGPROB_ATOL``;
 * hit the cache on a repeat, on an off-grid divergence and for a burst of twins, with the same
-  cached-token counts on both paths (and the counts the grid rule predicts);
+  cached-token counts on both paths (and, for the repeat and the divergence, the counts the
+  grid rule predicts);
 * pass the integrity walk after every prefill step (``--kda-debug-integrity on``).
 
 Cost: the interpreter runs one (chunk, head) program of the intra-chunk kernel in about a
 second, so prompts stay at a few hundred tokens and the scenario sends about 1,300 prompt tokens
-(~5 minutes with the server start on 2 cores). ``SGLANG_KDA_INTERPRET_TESTS=1`` adds the slow
-cases (a longer prompt over many slices, mixed decode + prefill rounds).
+(~75 s interpreted, plus two server starts, per configuration on 2 cores). ``make test`` runs
+the two ``extra_buffer`` configurations; ``SGLANG_KDA_INTERPRET_TESTS=1`` adds ``no_buffer`` and
+the slow case (a longer prompt over many slices beside decoding requests).
 """
 
 from __future__ import annotations
@@ -36,7 +41,16 @@ pytestmark = pytest.mark.server
 NEW = 4
 VOCAB_LO, VOCAB_HI = 10, 1000
 SLOW = os.environ.get("SGLANG_KDA_INTERPRET_TESTS") == "1"
+SKIP = "slow under the interpreter: SGLANG_KDA_INTERPRET_TESTS=1"
 INTERPRET_ENV = {"TRITON_INTERPRET": "1"}
+
+
+CONFIGS = {
+    "extra_buffer-page1": ["--mamba-radix-cache-strategy", "extra_buffer"],
+    "extra_buffer-page64": ["--mamba-radix-cache-strategy", "extra_buffer", "--page-size", "64"],
+    "no_buffer": [],
+}
+FAST = ("extra_buffer-page1", "extra_buffer-page64")
 
 
 def _start(tmp_path_factory, tiny_model_dir: Path, kernel: str, extra=()) -> Server:
@@ -52,7 +66,7 @@ def _start(tmp_path_factory, tiny_model_dir: Path, kernel: str, extra=()) -> Ser
     return Server(
         args,
         log_dir / f"{kernel}.log",
-        name=kernel,
+        name=f"{kernel} {' '.join(extra)}".strip(),
         env=INTERPRET_ENV if kernel == "triton" else None,
         ready_timeout_s=START_TIMEOUT_S + 300,  # the interpreted warm-up request
         stop_grace_s=30,
@@ -134,38 +148,59 @@ def run_scenario(server: Server, ref) -> dict[str, list[int]]:
 def _expected_counts() -> dict[str, list[int]]:
     """What the grid rule predicts (checkpoints every ``GRID`` tokens, the last prompt token
     always recomputed): the repeat of 150 tokens resumes at 128, the divergence at token 100
-    at 64, and the two twins that follow the leader at 128 (the leader's 146 tokens, plus
-    18 each for the followers)."""
-    return {
-        "base": [0],
-        "repeat": [149 // GRID * GRID],
-        "diverged": [100 // GRID * GRID],
-        "twins": [0, 140 // GRID * GRID, 140 // GRID * GRID],
-        "twins_computed": [146 + 2 * (146 - 140 // GRID * GRID)],
-    }
+    at 64."""
+    return {"base": [0], "repeat": [149 // GRID * GRID], "diverged": [100 // GRID * GRID]}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=[] if name in FAST or SLOW else pytest.mark.skip(reason=SKIP))
+        for name in CONFIGS
+    ],
+)
+def config(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def torch_counts(tmp_path_factory, tiny_model_dir, ref) -> dict[str, list[int]]:
+def torch_counts(tmp_path_factory, tiny_model_dir, ref, config) -> dict[str, list[int]]:
     """The scenario on the torch path (started, run, stopped before the Triton server)."""
-    with _start(tmp_path_factory, tiny_model_dir, "torch") as server:
+    with _start(tmp_path_factory, tiny_model_dir, "torch", CONFIGS[config]) as server:
         return run_scenario(server, ref)
 
 
 @pytest.fixture(scope="module")
-def triton_server(tmp_path_factory, tiny_model_dir, torch_counts):
-    srv = _start(tmp_path_factory, tiny_model_dir, "triton")
+def triton_server(tmp_path_factory, tiny_model_dir, torch_counts, config):
+    srv = _start(tmp_path_factory, tiny_model_dir, "triton", CONFIGS[config])
     yield srv
     srv.stop()
 
 
-def test_torch_path_hits_as_the_grid_predicts(torch_counts):
-    assert torch_counts == _expected_counts()
+def test_torch_path_hits_as_the_grid_predicts(torch_counts, config):
+    got = {k: v for k, v in torch_counts.items() if k in ("base", "repeat", "diverged")}
+    assert got == _expected_counts()
+    shared = 140 // GRID * GRID
+    if config == "no_buffer":
+        # the leader computes its 146 tokens, the followers wait and resume at 128
+        assert torch_counts["twins"] == [0, shared, shared]
+        assert torch_counts["twins_computed"] == [146 + 2 * (146 - shared)]
+    else:
+        # under the overlap scheduler a follower may resume one grid step lower: the round
+        # after the leader's slice is planned before that slice's checkpoints are inserted
+        assert torch_counts["twins"][0] == 0 and torch_counts["twins"][-1] == shared
 
 
-def test_triton_path_matches_reference_and_hits_like_torch(triton_server, ref, torch_counts):
+def test_triton_path_matches_reference_and_hits_like_torch(
+    triton_server, ref, torch_counts, config
+):
     report = triton_server.kda_report()
     assert report["kernel"] == "triton", report
+    info = triton_server.server_info()
+    strategy = "no_buffer" if config == "no_buffer" else "extra_buffer"
+    assert info["mamba_radix_cache_strategy"] == strategy
+    assert info["disable_overlap_schedule"] == (config == "no_buffer")
+    assert info["page_size"] == (64 if config.endswith("page64") else 1)
     counts = run_scenario(triton_server, ref)
     assert counts == torch_counts, (counts, torch_counts)
     cache = _cache(triton_server)
@@ -175,7 +210,7 @@ def test_triton_path_matches_reference_and_hits_like_torch(triton_server, ref, t
     assert idle["tree_states"] == 0 and idle["live_states"] == 0, idle
 
 
-@pytest.mark.skipif(not SLOW, reason="slow under the interpreter: SGLANG_KDA_INTERPRET_TESTS=1")
+@pytest.mark.skipif(not SLOW, reason=SKIP)
 def test_triton_path_long_prompt_and_mixed_rounds(triton_server, ref):
     """A 400-token prompt (7 slices) while two short prompts decode beside it, then a prompt
     diverging from it deep inside: answers as the reference, resumed from the deepest
