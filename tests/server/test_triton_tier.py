@@ -30,8 +30,7 @@ import random
 from pathlib import Path
 
 import pytest
-from harness import CHUNK, LOGPROB_ATOL, START_TIMEOUT_S
-from reference_forward import ReferenceKimiLinear
+from harness import CHUNK, LOGPROB_ATOL, START_TIMEOUT_S, reference_greedy
 
 from sglang_kda.harness import Server
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
@@ -75,18 +74,7 @@ def _start(tmp_path_factory, tiny_model_dir: Path, kernel: str, extra=()) -> Ser
 
 @pytest.fixture(scope="module")
 def ref(tiny_model_dir):
-    model = ReferenceKimiLinear.load(tiny_model_dir)
-    memo: dict = {}
-
-    def expected(ids):
-        key = tuple(ids)
-        if key not in memo:
-            tokens, logits = model.greedy_generate(ids, NEW, return_logits=True)
-            lp = logits.log_softmax(-1)
-            memo[key] = (list(tokens), [float(lp[i, t]) for i, t in enumerate(tokens)])
-        return memo[key]
-
-    return expected
+    return reference_greedy(tiny_model_dir, NEW)
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:
