@@ -6,7 +6,8 @@ Every patch module carries its ledger in its own docstring (``Upstream:``, ``Why
 * ``UPSTREAM``: the dotted name of the SGLang module it patches;
 * ``TARGETS``: the attributes of ``UPSTREAM`` that ``apply`` rebinds (``Class.method`` or a
   module global), checked against the pinned SGLang by ``tests/test_patches.py``;
-* ``wanted(ctx) -> bool``: whether it applies in this process (platform, ``--kda-policy``);
+* ``wanted(ctx) -> bool``: whether it applies in this process (platform, ``--kda-policy``;
+  ``ctx``: a :class:`~sglang_kda.patch_context.PatchContext`, re-exported here);
 * ``apply(ctx) -> None``: the wiring, idempotent. Logic, runtime state, adapters and capture live
   in plain ``sglang_kda`` modules that know nothing of monkey-patching; a patch only wires them in.
 
@@ -22,10 +23,8 @@ apply patches outside it) and a ``REPLACE`` also rewrites every ``from X import 
 from __future__ import annotations
 
 import importlib
-import os
-from dataclasses import dataclass
 
-from sglang_kda.config import KDAConfig
+from sglang_kda.patch_context import PatchContext, current_context
 
 # Order matters only where one patch relies on another's module being patched first.
 PATCH_MODULES = (
@@ -49,27 +48,6 @@ PATCH_MODULES = (
 
 _applied: list[str] = []
 _done = False
-
-
-@dataclass(frozen=True)
-class PatchContext:
-    """What a patch may look at to decide whether and how to apply."""
-
-    config: KDAConfig
-    on_cuda: bool
-    cpu_engine: bool
-
-    @property
-    def kernel(self) -> str:
-        return self.config.resolved_kernel(self.on_cuda)
-
-
-def current_context() -> PatchContext:
-    import torch
-
-    cpu_engine = os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1"
-    on_cuda = bool(torch.cuda.is_available()) and not cpu_engine
-    return PatchContext(config=KDAConfig.from_env(), on_cuda=on_cuda, cpu_engine=cpu_engine)
 
 
 def patch_module(name: str):

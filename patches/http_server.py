@@ -9,12 +9,15 @@ Why: a hostile ``/generate`` body streamed with ``"stream": true`` got its error
     ``ChatCompletionRequest.set_json_schema`` on ``"response_format": [null]``) raise
     ``AttributeError`` / ``TypeError`` on shapes they do not expect, which FastAPI lets through
     as a 500.
-How: the contract gate runs :func:`sglang_kda.validation.check_generate` first (limits and
-    prompt length from :mod:`sglang_kda.request_gate`), so streaming requests get a 400 too;
-    error bodies are scrubbed of file paths and traceback lines; validation errors are reduced to
-    loc/msg/type; ``TypeError`` / ``AttributeError`` / ``IndexError`` / ``KeyError`` escaping on
-    the guarded generate routes become a 400 (every other exception of these kinds is handled
-    inside the endpoint there, so here they mean a malformed body), elsewhere they re-raise.
+How: the contract gate runs :func:`sglang_kda.validation.check_generate` first
+    (:func:`sglang_kda.request_gate.generate_body_error`: limits and prompt length from
+    :mod:`sglang_kda.request_gate`), so streaming requests get a 400 too; error bodies are
+    scrubbed of file paths and traceback lines; validation errors are reduced to loc/msg/type
+    (:func:`~sglang_kda.request_gate.cleaned_validation_handler`); ``TypeError`` /
+    ``AttributeError`` / ``IndexError`` / ``KeyError`` escaping on the guarded generate routes
+    become a 400 (:func:`~sglang_kda.request_gate.malformed_body_handler`; every other exception
+    of these kinds is handled inside the endpoint there, so here they mean a malformed body),
+    elsewhere they re-raise.
 Seam: deferred rebinding. ``apply`` registers the installer with
     :func:`sglang_kda.request_gate.on_tokenizer_manager`; it runs when the process builds its
     first ``TokenizerManager`` (the HTTP server's), so the scheduler ranks never import the HTTP
@@ -26,11 +29,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 UPSTREAM = "sglang.srt.entrypoints.http_server"
 TARGETS = ("generate_contract_error", "_create_error_response")
-logger = logging.getLogger(__name__)
 
 
 def wanted(ctx) -> bool:
@@ -46,28 +47,19 @@ def apply(ctx) -> None:
 def install(tm) -> None:
     """Wire the checks and the error scrubbing into this process's HTTP server (once)."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import ORJSONResponse
 
     from sglang_kda import request_gate as gate
-    from sglang_kda import validation
 
     http = importlib.import_module(UPSTREAM)
     if getattr(http.generate_contract_error, "_sglang_kda", False):
         return
     orig_contract, orig_error_response = http.generate_contract_error, http._create_error_response
 
-    def current_limits():
-        state = getattr(http, "_global_state", None)
-        return gate.limits_of(getattr(state, "tokenizer_manager", None) or tm)
-
     @functools.wraps(orig_contract)
     def generate_contract_error(body):
-        if isinstance(body, dict):
-            try:
-                validation.check_generate(body, current_limits(), gate.prompt_length(tm, body))
-            except validation.RequestError as e:
-                return str(e)
-        return orig_contract(body)
+        serving = getattr(getattr(http, "_global_state", None), "tokenizer_manager", None) or tm
+        error = gate.generate_body_error(body, serving, tm)
+        return orig_contract(body) if error is None else error
 
     @functools.wraps(orig_error_response)
     def _create_error_response(e):
@@ -76,24 +68,9 @@ def install(tm) -> None:
     handlers = http.app.exception_handlers
     orig_handler = handlers.get(RequestValidationError)
     if orig_handler is not None:
-
-        @functools.wraps(orig_handler)
-        async def validation_exception_handler(request, exc):
-            clean = RequestValidationError(validation.clean_validation_errors(list(exc.errors())))
-            return await orig_handler(request, clean)
-
-        handlers[RequestValidationError] = validation_exception_handler
-
-    async def malformed_body_handler(request, exc):
-        path = request.url.path.removeprefix(request.scope.get("root_path", ""))
-        if path not in gate.GUARDED_ROUTES:
-            raise exc
-        logger.warning("sglang_kda: malformed request body on %s", path, exc_info=exc)
-        body, status = gate.malformed_body(path, exc)
-        return ORJSONResponse(body, status_code=status)
-
+        handlers[RequestValidationError] = gate.cleaned_validation_handler(orig_handler)
     for exc_type in gate.MALFORMED:
-        handlers.setdefault(exc_type, malformed_body_handler)
+        handlers.setdefault(exc_type, gate.malformed_body_handler)
     generate_contract_error._sglang_kda = True
     http.generate_contract_error = generate_contract_error
     http._create_error_response = _create_error_response

@@ -14,12 +14,13 @@ Why: the checkpoint cache inserts states at grid positions *inside* a prefill sl
 How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a captured checkpoint
     it marks the request (``req._kda_checkpoint``); for such an insert the wrapper stores a
     fresh slot filled with that checkpoint (:func:`~sglang_kda.cache.checkpoints.
-    write_checkpoint_slot`, which may evict a tree state by the ``--kda-eviction`` rule), or
-    caches nothing (returns 0) when no slot can be had. Every other insert is upstream's. After
-    each insert and each admission match, the node holding the state is noted in the state book
-    (:func:`~sglang_kda.cache.checkpoints.note_state`); after a finished request's insert the
-    tree is brought back under ``--kda-checkpoint-pool-size`` (the prefill-step check runs
-    before requests finish). Only with ``--kda-policy kda``.
+    prepare_checkpoint` -> ``write_checkpoint_slot``, which may evict a tree state by the
+    ``--kda-eviction`` rule), or caches nothing (returns 0) when no slot can be had. Every other
+    insert is upstream's. After each insert and each admission match, the node holding the state
+    is noted in the state book (:func:`~sglang_kda.cache.checkpoints.note_insert` /
+    ``note_match``); after a finished request's insert the tree is brought back under
+    ``--kda-checkpoint-pool-size`` (the prefill-step check runs before requests finish). Only
+    with ``--kda-policy kda``.
 Seam: rebinding the three methods (upstream's kept as ``_orig_*``).
 Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends) and
     offers per-node state eviction with a cost-aware policy.
@@ -44,7 +45,7 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cache.checkpoints import enforce_pool_size, note_state, write_checkpoint_slot
+    from sglang_kda.cache import checkpoints as cp
     from sglang_kda.cache.eviction import parse_eviction
 
     cls = importlib.import_module(UPSTREAM).MambaComponent
@@ -58,42 +59,24 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig)
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        if is_finished or getattr(req, "_kda_checkpoint", None) is None:
+        if not cp.checkpoint_insert(req, is_finished):
             return orig(self, req, insert_params, token_ids_len, is_finished)
-        slot = write_checkpoint_slot(self.cache, req, alpha)
-        if slot is None:
-            return 0
-        insert_params.mamba_value = slot
-        return token_ids_len
+        return cp.prepare_checkpoint(self.cache, req, insert_params, token_ids_len, alpha)
 
     @functools.wraps(orig_cleanup)
     def cleanup_after_caching_req(self, req, is_finished, *args, **kwargs):
         out = orig_cleanup(self, req, is_finished, *args, **kwargs)
         result = kwargs.get("insert_result", args[0] if args else None)
-        node = getattr(result, "last_device_node", None)
-        if node is not None and _holds_state(self, node):
-            note_state(self.cache, node)
-            if is_finished and cap:  # the cap also holds between prefill steps
-                enforce_pool_size(self.cache, cap, alpha)
+        cp.note_insert(self, result, is_finished, cap, alpha)
         return out
 
     @functools.wraps(orig_finalize)
     def finalize_match_result_in_cache(self, params, result):
         result = orig_finalize(self, params, result)
-        node = getattr(result, "best_match_node", None)
-        if params.cow_mamba and node is not None and _holds_state(self, node):
-            note_state(self.cache, node)
+        cp.note_match(self, params, result)
         return result
 
     for fn in (prepare_for_caching_req, cleanup_after_caching_req, finalize_match_result_in_cache):
         setattr(cls, "_orig_" + fn.__name__, fn.__wrapped__)
         setattr(cls, fn.__name__, fn)
     cls._sglang_kda_patched = True
-
-
-def _holds_state(component, node) -> bool:
-    try:
-        value = component.tree_core.get_component_device_value(node, component.component_type)
-    except Exception:  # noqa: BLE001 - a root or vanished node holds nothing
-        return False
-    return value is not None

@@ -11,28 +11,28 @@ Why: a round must end where a KDA state can be checkpointed and named: on the gr
     ``max(64, page_size)`` counted from the sequence start. Upstream rounds the chunk *length*, so
     a request resuming from an off-grid prefix never lands on the grid again. And a long prompt's
     chunk takes every round's budget, so short requests wait for the whole prompt.
-How: each adder gets an :class:`sglang_kda.policy.adder.AdderRound` (``_kda``), which decides:
-    a chunked admission's ``extend_len`` and a continuing chunk's length become grid-aligned cuts
-    (never longer than upstream's, so every upstream budget check still holds); while the round
-    holds an unfinished chunked request (SGLang tracks one) a cut admission is turned down
-    (``AddReqResult.CONTINUE``), and an admission that stays chunked closes the chunk budget;
-    ``add_one_req`` makes a twin (a candidate sharing an uncached prefix with a request admitted
-    this round, ``--kda-twins``) wait for its checkpoints (``CONTINUE`` without admitting it).
-    A request turned down keeps its place in the queue; the state slot its match staged is given
-    back, so requests behind it are still considered. Before ``add_chunked_req`` cuts the next
-    chunk, the in-flight request jumps to the deepest checkpoint cached meanwhile
+How: each adder gets an :class:`sglang_kda.policy.adder.AdderRound` (``_kda``), which decides
+    (applied by ``cut_admission``, ``add_one`` and ``add_chunked`` of
+    :mod:`sglang_kda.policy.adder`): a chunked admission's ``extend_len`` and a continuing chunk's
+    length become grid-aligned cuts (never longer than upstream's, so every upstream budget check
+    still holds); while the round holds an unfinished chunked request (SGLang tracks one) a cut
+    admission is turned down (``AddReqResult.CONTINUE``), and an admission that stays chunked closes
+    the chunk budget; ``add_one_req`` makes a twin (a candidate sharing an uncached prefix with a
+    request admitted this round, ``--kda-twins``) wait for its checkpoints (``CONTINUE`` without
+    admitting it). A request turned down keeps its place in the queue; the state slot its match
+    staged is given back, so requests behind it are still considered. Before ``add_chunked_req``
+    cuts the next chunk, the in-flight request jumps to the deepest checkpoint cached meanwhile
     (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``shortest_prefill_chunk_limit``
     returns :func:`sglang_kda.policy.round.make_room`'s limit under every schedule policy, so
-    waiting requests that fit whole enter beside a long prompt (the serial budget's wrapper
-    passes its planned share as ``_kda_keep``/``_kda_cap`` on the policy object). Only with
-    ``--kda-policy kda``.
+    waiting requests that fit whole enter beside a long prompt (the serial budget's wrapper passes
+    its planned share as ``_kda_keep``/``_kda_cap`` on the policy object). Only
+    with ``--kda-policy kda``.
 Seam: rebinding the methods (upstream's reachable as ``__wrapped__``).
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 UPSTREAM = "sglang.srt.managers.schedule_policy"
@@ -55,7 +55,6 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cache.checkpoints import resume_in_flight
     from sglang_kda.policy import adder as ad
 
     mod = importlib.import_module(UPSTREAM)
@@ -68,6 +67,7 @@ def apply(ctx) -> None:
     orig_ignore_eos = cls.add_one_req_ignore_eos
     orig_limit = policy_cls.shortest_prefill_chunk_limit
     twins = ctx.config.twins == "on"
+    turned_down = mod.AddReqResult.CONTINUE
 
     @functools.wraps(orig_init)
     def __init__(self, page_size, *args, **kwargs):
@@ -77,16 +77,7 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig_select)
     def _select_prefill_admission(self, req, **kwargs):
-        adm = orig_select(self, req, **kwargs)
-        if not getattr(adm, "is_chunked", False):
-            return adm
-        if self._kda.refuse_cut(req):  # one unfinished chunked request per round
-            return mod.AddReqResult.CONTINUE
-        if self._kda.grid <= 1:
-            return adm
-        remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
-        taken = self._kda.cut(adm.prefix_len, adm.extend_len, remaining)
-        return dataclasses.replace(adm, extend_len=taken)
+        return ad.cut_admission(self._kda, req, orig_select(self, req, **kwargs), turned_down)
 
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
@@ -97,30 +88,12 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig_add_one)
     def add_one_req(self, req, has_chunked_req, truncation_align_size):
-        st = self._kda
-        if st.twins_wait and self.can_run_list:
-            ids = req.full_untruncated_fill_ids
-            limit = req._compute_max_prefix_len(len(ids))
-            if st.twin_waits(ids, req.prefix_len, limit, ad.leaders_of(self.can_run_list)):
-                ad.release_staged_state(self.tree_cache, req)
-                return mod.AddReqResult.CONTINUE
-        n_before = len(self.can_run_list)
-        res = orig_add_one(self, req, has_chunked_req, truncation_align_size)
-        if st.was_refused(req):
-            ad.release_staged_state(self.tree_cache, req)
-            return res
-        st.admitted(n_before, len(self.can_run_list))
-        return res
+        args = (has_chunked_req, truncation_align_size)
+        return ad.add_one(self._kda, self, req, orig_add_one, turned_down, *args)
 
     @functools.wraps(orig_add_chunked)
     def add_chunked_req(self, req):
-        if self._kda.grid > 1:
-            resume_in_flight(self.tree_cache, req)
-        self._kda.prefix_len = req.prefix_len
-        still_chunked = orig_add_chunked(self, req)
-        if still_chunked is not None:  # running this round or parked: either way it is the one
-            self._kda.round_chunked = True
-        return still_chunked
+        return ad.add_chunked(self._kda, self, req, orig_add_chunked)
 
     @functools.wraps(orig_limit)
     def shortest_prefill_chunk_limit(self, chunked_req, waiting_queue, budget, page_size):

@@ -16,9 +16,10 @@ Why: SGLang 0.5.23 forwards a prompt of zero tokens (``{"text": ""}`` with a tok
 How: the checks live in :mod:`sglang_kda.validation`, bound to the process by
     :mod:`sglang_kda.request_gate` (limits: the model's vocabulary and context, ``--kda-max-n``).
     ``generate_request`` checks the request before SGLang normalises (fans out) it, and turns
-    SGLang's own ``TypeError`` / ``AttributeError`` / ... on a malformed request into a 400;
-    ``_validate_one_request`` rejects empty / out-of-vocabulary prompts and checks
-    ``logprob_start_len`` against the tokenized prompt. ``__init__`` tells
+    SGLang's own ``TypeError`` / ``AttributeError`` / ... on a malformed request into a 400
+    (:func:`sglang_kda.request_gate.generate_checked`); ``_validate_one_request`` rejects empty /
+    out-of-vocabulary prompts and checks ``logprob_start_len`` against the tokenized prompt
+    (:func:`~sglang_kda.request_gate.validate_one`). ``__init__`` tells
     :func:`sglang_kda.request_gate.tokenizer_manager_built` that this process serves requests:
     the HTTP-side checks (``patches/http_server.py``, ``patches/openai_serving.py``) install
     then.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import logging
 
 UPSTREAM = "sglang.srt.managers.tokenizer_manager"
 TARGETS = (
@@ -39,7 +39,6 @@ TARGETS = (
     "TokenizerManager.generate_request",
     "TokenizerManager.__init__",
 )
-logger = logging.getLogger(__name__)
 
 
 def wanted(ctx) -> bool:
@@ -48,7 +47,6 @@ def wanted(ctx) -> bool:
 
 def apply(ctx) -> None:
     from sglang_kda import request_gate as gate
-    from sglang_kda import validation
 
     gate.configure(ctx.config.max_n)
     cls = importlib.import_module(UPSTREAM).TokenizerManager
@@ -60,34 +58,13 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig_validate)
     def _validate_one_request(self, obj, input_ids):
-        has_embeds = getattr(obj, "input_embeds", None) is not None
-        gate.check_prompt_ids(input_ids, self.model_config.vocab_size, has_embeds)
-        out = orig_validate(self, obj, input_ids)  # may truncate input_ids
-        if (
-            input_ids
-            and hasattr(obj, "logprob_start_len")
-            and getattr(obj, "return_logprob", False)
-        ):
-            validation.check_logprob_start(obj.logprob_start_len, len(input_ids))
-        return out
+        return gate.validate_one(self, obj, input_ids, orig_validate)
 
     @functools.wraps(orig_generate)
     async def generate_request(self, obj, request=None):
-        if isinstance(obj, generate_req_input):
-            validation.check_generate(gate.generate_fields(obj), gate.limits_of(self))
-            gate.drop_null_n(obj.sampling_params)
-        answered = False
-        try:
-            async for out in orig_generate(self, obj, request):
-                answered = True
-                yield out
-        except gate.MALFORMED as e:
-            # SGLang tripping over a shape the checks above let through: the client's request,
-            # not the server, is at fault (a 400, not a 500).
-            if answered:
-                raise
-            logger.warning("sglang_kda: rejected a malformed request", exc_info=True)
-            raise gate.malformed(e) from e
+        check = isinstance(obj, generate_req_input)
+        async for out in gate.generate_checked(self, obj, request, orig_generate, check):
+            yield out
 
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):

@@ -16,16 +16,20 @@ the cached context is deliberately not counted: a 64-token slice deep into a lon
 large attention operator but still hundreds of tiny ones, and running the whole step on two
 threads made it worse, not better (64k-token prompt at chunk 64, threshold on total FLOPs: rounds
 past 24k of context went from ~45 ms on one thread to ~270 ms on two while other processes ran).
-Nothing here touches SGLang; ``patches/tp_worker.py`` wires it around each forward.
+Nothing here touches SGLang; ``patches/tp_worker.py`` wires :func:`run_step` around each
+forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+logger = logging.getLogger(__name__)
 MIN_GFLOP_ENV = "SGLANG_KDA_PARALLEL_MIN_GFLOP"
 DEFAULT_MIN_GFLOP = 2.0
 
@@ -111,6 +115,26 @@ class ThreadPolicy:
         self.max_threads = torch.get_num_threads()
         self.steps = {1: 0, self.max_threads: 0}
 
+    @classmethod
+    def of_worker(cls, worker: Any) -> "ThreadPolicy":
+        """The policy of an SGLang ``TpModelWorker`` (``worker._kda_thread_policy``), built and
+        logged on first use from its model's config and parameter count."""
+        pol = getattr(worker, "_kda_thread_policy", None)
+        if pol is None:
+            runner = worker.model_runner
+            n_params = sum(p.numel() for p in runner.model.parameters())
+            cost = model_cost_from_config(runner.model_config.hf_config, n_params)
+            pol = worker._kda_thread_policy = cls(cost)
+            logger.info(
+                "sglang_kda: forward steps under %.3g dense GFLOP run on 1 thread, others on %d "
+                "(%.3g MFLOP per token, %.3g kFLOP per attention pair)",
+                pol.threshold,
+                pol.max_threads,
+                cost.dense_flops_per_token / 1e6,
+                cost.attn_flops_per_pair / 1e3,
+            )
+        return pol
+
     def choose(self, shape: Optional[StepShape]) -> int:
         if shape is None:
             return self.max_threads
@@ -130,3 +154,24 @@ class ThreadPolicy:
             yield n
         finally:
             torch.set_num_threads(self.max_threads)
+
+
+def run_step(
+    worker: Any, batch: Any, forward: Callable, trace: Optional[str], *args: Any, **kwargs: Any
+) -> Any:
+    """``forward(worker, batch, ...)`` (one forward step of an SGLang ``TpModelWorker``) on the
+    threads :meth:`ThreadPolicy.of_worker` picks for the batch's shape
+    (:func:`sglang_kda.steps.step_lens`); with ``trace`` (``SGLANG_KDA_STEP_TRACE``) a row of the
+    step is appended to that file (:func:`sglang_kda.steps.write_step`), failed steps too."""
+    from sglang_kda import steps
+
+    pol = ThreadPolicy.of_worker(worker)
+    t0 = time.perf_counter() if trace else 0.0
+    try:
+        if pol.max_threads <= 1:  # one thread either way: no shape to read
+            return forward(worker, batch, *args, **kwargs)
+        with pol.step(steps.step_lens(batch)):
+            return forward(worker, batch, *args, **kwargs)
+    finally:
+        if trace:
+            steps.write_step(trace, batch, t0, time.perf_counter())

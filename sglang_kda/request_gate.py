@@ -3,8 +3,11 @@
 :mod:`sglang_kda.validation` checks plain values; this module supplies what the checks need from
 the process that serves requests: the limits (the model's vocabulary and context from its
 ``TokenizerManager``, ``--kda-max-n``), the fields read off SGLang's request objects, the prompt
-length of a ``/generate`` body, and the 400 answers for bodies SGLang's own code trips over.
-The patches of ``tokenizer_manager``, ``http_server`` and OpenAI ``serving_base`` call it.
+length of a ``/generate`` body, and the 400 answers for bodies SGLang's own code trips over
+(the checks around ``TokenizerManager``'s methods: :func:`validate_one`, :func:`generate_checked`;
+the HTTP server's: :func:`generate_body_error`, :func:`cleaned_validation_handler`,
+:func:`malformed_body_handler`). The patches of ``tokenizer_manager``, ``http_server`` and OpenAI
+``serving_base`` call it.
 
 The HTTP-side checks are installed in the process that builds a ``TokenizerManager`` (the HTTP
 server's; the scheduler ranks never import the HTTP server): :func:`on_tokenizer_manager`
@@ -13,8 +16,9 @@ registers an installer, :func:`tokenizer_manager_built` runs each one once, with
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from sglang_kda import validation
 
@@ -83,6 +87,40 @@ def check_prompt_ids(input_ids, vocab_size: int, has_embeds: bool) -> None:
             )
 
 
+def validate_one(tm, obj, input_ids, validate: Callable) -> Any:
+    """``validate(tm, obj, input_ids)`` (upstream's ``TokenizerManager._validate_one_request``)
+    between sglang_kda's checks: before it, :func:`check_prompt_ids`; after it (it may truncate
+    ``input_ids``), ``logprob_start_len`` against the tokenized prompt when logprobs are asked."""
+    has_embeds = getattr(obj, "input_embeds", None) is not None
+    check_prompt_ids(input_ids, tm.model_config.vocab_size, has_embeds)
+    out = validate(tm, obj, input_ids)  # may truncate input_ids
+    if input_ids and hasattr(obj, "logprob_start_len") and getattr(obj, "return_logprob", False):
+        validation.check_logprob_start(obj.logprob_start_len, len(input_ids))
+    return out
+
+
+async def generate_checked(tm, obj, request, generate: Callable, check: bool) -> AsyncIterator[Any]:
+    """``generate(tm, obj, request)`` (upstream's ``TokenizerManager.generate_request``), with the
+    request checked first (``check``: ``obj`` is a ``GenerateReqInput``) before SGLang normalises
+    (fans out) it, and SGLang's own :data:`MALFORMED` errors on it, before any answer, turned into
+    a 400 (:func:`malformed`)."""
+    if check:
+        validation.check_generate(generate_fields(obj), limits_of(tm))
+        drop_null_n(obj.sampling_params)
+    answered = False
+    try:
+        async for out in generate(tm, obj, request):
+            answered = True
+            yield out
+    except MALFORMED as e:
+        # SGLang tripping over a shape the checks above let through: the client's request,
+        # not the server, is at fault (a 400, not a 500).
+        if answered:
+            raise
+        logger.warning("sglang_kda: rejected a malformed request", exc_info=True)
+        raise malformed(e) from e
+
+
 def malformed(e: Exception) -> ValueError:
     """The 400 for a request SGLang's normalisation or tokenization tripped over."""
     return ValueError(f"malformed request ({type(e).__name__}: {validation.scrub_paths(str(e))})")
@@ -107,6 +145,46 @@ def malformed_body(path: str, exc: Exception) -> tuple[dict, int]:
     openai = {"object": "error", "message": message, "type": "BadRequestError", "param": None}
     openai["code"] = 400
     return openai, 400
+
+
+def generate_body_error(body, limits_tm, tm) -> Optional[str]:
+    """The message of the first ``/generate`` check a JSON ``body`` fails (limits from
+    ``limits_tm``, the serving ``TokenizerManager``; prompt length by ``tm``'s tokenizer), or
+    ``None``: then upstream's own contract checks run."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        validation.check_generate(body, limits_of(limits_tm), prompt_length(tm, body))
+    except validation.RequestError as e:
+        return str(e)
+    return None
+
+
+def cleaned_validation_handler(handler: Callable) -> Callable:
+    """FastAPI's ``RequestValidationError`` ``handler``, given the errors reduced to loc/msg/type
+    (:func:`sglang_kda.validation.clean_validation_errors`: no echoed input, no file paths)."""
+    from fastapi.exceptions import RequestValidationError
+
+    @functools.wraps(handler)
+    async def validation_exception_handler(request, exc):
+        clean = RequestValidationError(validation.clean_validation_errors(list(exc.errors())))
+        return await handler(request, clean)
+
+    return validation_exception_handler
+
+
+async def malformed_body_handler(request, exc: Exception):
+    """FastAPI exception handler for :data:`MALFORMED` errors: a 400 (:func:`malformed_body`) on
+    the :data:`GUARDED_ROUTES`, where every other exception of these kinds is handled inside the
+    endpoint (so here one means a malformed body); elsewhere the error is raised again."""
+    from fastapi.responses import ORJSONResponse
+
+    path = request.url.path.removeprefix(request.scope.get("root_path", ""))
+    if path not in GUARDED_ROUTES:
+        raise exc
+    logger.warning("sglang_kda: malformed request body on %s", path, exc_info=exc)
+    body, status = malformed_body(path, exc)
+    return ORJSONResponse(body, status_code=status)
 
 
 def prompt_length(tm, body: dict) -> Optional[int]:

@@ -5,8 +5,9 @@ and the simulator predicts its own rounds with that model: all three must see a 
 way, or the model is fitted on one definition and predicts with another. This module is that
 one definition, in plain Python (no SGLang import).
 
-A step row (one JSON object per line of the trace file, appended by ``patches/tp_worker.py``
-when ``SGLANG_KDA_STEP_TRACE=FILE`` is set)::
+A step row (one JSON object per line of the trace file, appended by
+:func:`sglang_kda.perf_threads.run_step`, which ``patches/tp_worker.py`` wires around each
+forward, when ``SGLANG_KDA_STEP_TRACE=FILE`` is set)::
 
     {"t0": 48079.11, "t1": 48079.13, "mode": "EXTEND", "ext": [20, 64], "pre": [0, 128]}
     {"t0": 48079.14, "t1": 48079.16, "mode": "MIXED", "ext": [64, 1], "pre": [0, 70], "dec": 1}

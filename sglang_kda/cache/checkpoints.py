@@ -11,7 +11,8 @@ evicts states first). This module adds what SGLang lacks, without monkey-patchin
   inside the slice (state and short-conv window, all KDA layers) enters the tree as a node
   holding a fresh slot, through SGLang's own ``checkpoint_into_tree`` (so KV ownership, locks and
   page dedup follow SGLang's rules). The live state slot is never handed to the tree.
-* :func:`write_checkpoint_slot`: copies one captured checkpoint into a fresh state slot.
+* :func:`write_checkpoint_slot`: copies one captured checkpoint into a fresh state slot
+  (:func:`prepare_checkpoint`, for the tree insert :func:`checkpoint_insert` recognises).
 * :func:`resume_in_flight`: the in-flight chunked request re-matches the tree each round and
   jumps to the deepest cached checkpoint past its progress (its KV row takes the cached pages,
   its live slot receives a *copy* of the checkpoint).
@@ -26,8 +27,9 @@ the rule's victims are evicted through the walk itself: every other tree-held st
 for the call (``tree_cache.lock``: the walk skips locked states), SGLang's
 ``evict(mamba_num=len(victims))`` then finds exactly the victims, and the locks are released.
 Which nodes hold states, and when each was last inserted or hit, comes from a
-:class:`~sglang_kda.cache.eviction.StateBook` kept by the ``mamba_component`` patch; when it does
-not account for every state the tree holds, the call falls back to SGLang's LRU.
+:class:`~sglang_kda.cache.eviction.StateBook` kept through the ``mamba_component`` patch
+(:func:`note_insert`, :func:`note_match`); when it does not account for every state the tree
+holds, the call falls back to SGLang's LRU.
 """
 
 from __future__ import annotations
@@ -169,6 +171,24 @@ def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional
         temporal[li, phys] = lc.states[row].to(temporal.dtype)
         conv[li, phys] = lc.conv[row].to(conv.dtype)
     return slot
+
+
+def checkpoint_insert(req, is_finished: bool) -> bool:
+    """Whether a tree insert of ``req`` stores a captured checkpoint (``req._kda_checkpoint``,
+    set by :func:`insert_checkpoints` for the insert's duration), not the live state."""
+    return not is_finished and getattr(req, "_kda_checkpoint", None) is not None
+
+
+def prepare_checkpoint(cache, req, insert_params, token_ids_len: int, alpha=None) -> int:
+    """What the MAMBA component's ``prepare_for_caching_req`` returns for a checkpoint insert:
+    the insert's state becomes a fresh slot holding the checkpoint
+    (:func:`write_checkpoint_slot`) and all ``token_ids_len`` tokens are cached, or nothing (0)
+    when no slot can be had."""
+    slot = write_checkpoint_slot(cache, req, alpha)
+    if slot is None:
+        return 0
+    insert_params.mamba_value = slot
+    return token_ids_len
 
 
 def resume_in_flight(tree_cache, req) -> int:
@@ -330,6 +350,35 @@ def note_state(tree_cache, node_id) -> None:
     """``node_id`` holds a state that was just inserted or hit."""
     if node_id is not None:
         state_book(tree_cache).touch(int(node_id))
+
+
+def holds_state(component, node) -> bool:
+    """Whether ``node`` holds a state in the tree of SGLang's MAMBA ``component``."""
+    try:
+        value = component.tree_core.get_component_device_value(node, component.component_type)
+    except Exception:  # noqa: BLE001 - a root or vanished node holds nothing
+        return False
+    return value is not None
+
+
+def note_insert(component, result, is_finished: bool, cap: int, alpha=None) -> None:
+    """After a tree insert (``result``: its ``InsertResult``): the node now holding the state is
+    noted in the state book; after a finished request's insert the tree is brought back under
+    ``cap`` states (``--kda-checkpoint-pool-size``; the prefill-step check runs before requests
+    finish)."""
+    node = getattr(result, "last_device_node", None)
+    if node is not None and holds_state(component, node):
+        note_state(component.cache, node)
+        if is_finished and cap:  # the cap also holds between prefill steps
+            enforce_pool_size(component.cache, cap, alpha)
+
+
+def note_match(component, params, result) -> None:
+    """After an admission match that copies a tree state into the request's slot
+    (``params.cow_mamba``): the matched node's state was hit."""
+    node = getattr(result, "best_match_node", None)
+    if params.cow_mamba and node is not None and holds_state(component, node):
+        note_state(component.cache, node)
 
 
 def _has_state(tree_cache, node_id: int) -> bool:

@@ -1,7 +1,8 @@
 """sglang_kda's part of one SGLang ``PrefillAdder`` (one admission pass of one round).
 
 ``patches/schedule_policy.py`` keeps an :class:`AdderRound` beside each ``PrefillAdder`` and asks
-it at each step of the pass:
+it at each step of the pass (the functions at the end of the module apply its answers to
+SGLang's objects: :func:`cut_admission`, :func:`add_one`, :func:`add_chunked`):
 
 * **Cuts on the grid** (:meth:`AdderRound.cut`): a chunked admission's length and a continuing
   chunk's length end on the absolute checkpoint grid
@@ -23,8 +24,9 @@ admit), so requests behind it are still considered.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang_kda.cache.stats import STATS
 from sglang_kda.policy.admission import Leader, twin_gain
@@ -142,6 +144,59 @@ def in_flight_limit(
     if room.admitted:
         STATS.add("rounds_made_room")
     return room.limit
+
+
+def cut_admission(st: AdderRound, req: Any, adm: Any, turned_down: Any) -> Any:
+    """Upstream's admission of ``req`` (``adm``, or an ``AddReqResult``) as the pass takes it: a
+    chunked admission is ``turned_down`` (upstream's ``AddReqResult.CONTINUE``) while the round
+    holds an unfinished chunked request (:meth:`AdderRound.refuse_cut`), else cut on the grid."""
+    if not getattr(adm, "is_chunked", False):
+        return adm
+    if st.refuse_cut(req):  # one unfinished chunked request per round
+        return turned_down
+    if st.grid <= 1:
+        return adm
+    remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
+    taken = st.cut(adm.prefix_len, adm.extend_len, remaining)
+    return dataclasses.replace(adm, extend_len=taken)
+
+
+def add_one(
+    st: AdderRound, adder: Any, req: Any, add: Callable, turned_down: Any, *args: Any
+) -> Any:
+    """One waiting request through upstream's ``PrefillAdder.add_one_req`` (``add(adder, req,
+    *args)``): a twin waits (``turned_down``, not admitted); a request turned down, here or by
+    :func:`cut_admission`, gives back the state its match staged; an admission made past a
+    waiting twin is counted."""
+    if st.twins_wait and adder.can_run_list:
+        ids = req.full_untruncated_fill_ids
+        limit = req._compute_max_prefix_len(len(ids))
+        if st.twin_waits(ids, req.prefix_len, limit, leaders_of(adder.can_run_list)):
+            release_staged_state(adder.tree_cache, req)
+            return turned_down
+    n_before = len(adder.can_run_list)
+    res = add(adder, req, *args)
+    if st.was_refused(req):
+        release_staged_state(adder.tree_cache, req)
+        return res
+    st.admitted(n_before, len(adder.can_run_list))
+    return res
+
+
+def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
+    """The in-flight chunked request through upstream's ``PrefillAdder.add_chunked_req``
+    (``add(adder, req)``): first it jumps to the deepest checkpoint cached meanwhile
+    (:func:`sglang_kda.cache.checkpoints.resume_in_flight`) and its prefix is noted for the cut;
+    if it stays chunked (running this round or parked), the round holds it."""
+    if st.grid > 1:
+        from sglang_kda.cache.checkpoints import resume_in_flight
+
+        resume_in_flight(adder.tree_cache, req)
+    st.prefix_len = req.prefix_len
+    still_chunked = add(adder, req)
+    if still_chunked is not None:  # running this round or parked: either way it is the one
+        st.round_chunked = True
+    return still_chunked
 
 
 def release_staged_state(tree_cache: Any, req: Any) -> None:

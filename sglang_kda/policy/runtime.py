@@ -27,11 +27,13 @@ remembers lives here, so it can be tested without a server:
   process, only where SGLang runs with metrics (``PROMETHEUS_MULTIPROC_DIR`` set).
 
 The methods take plain values (ids, token counts, seconds); the functions at the end of the
-module are the thin edge that reads them off SGLang's objects.
+module are the thin edge that reads them off SGLang's objects and applies a round's orders to the
+scheduler (:func:`plan_round`, :func:`round_inputs`, :func:`run_timed`, :func:`step_done`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -49,6 +51,7 @@ from sglang_kda.policy.cost_model import (
 )
 from sglang_kda.policy.grid import checkpoint_grid
 from sglang_kda.policy.round import Decision, RoundPlanner
+from sglang_kda.steps import batch_shape
 
 logger = logging.getLogger(__name__)
 
@@ -571,3 +574,82 @@ def prefills_in(batch: Any) -> list[tuple[str, Optional[int]]]:
         else:
             out.append((req.rid, None))
     return out
+
+
+def plan_round(sched: Any, running_batch: Any) -> Optional[Decision]:
+    """This round's decision, the same on every TP rank (``None``: upstream's round, also where
+    the budget does not apply): the leader books the requests new in the queue, the round is
+    planned (:meth:`BudgetRuntime.plan`, shared over the TP group) and the refused requests are
+    marked aborted (:func:`refuse`)."""
+    st = runtime_of(sched)
+    if st is None:
+        return None
+    queue, inflight = round_queue(sched)
+    decode_ctx = [r.seqlen for r in running_batch.reqs]  # as sglang_kda.steps counts it
+    now = time.monotonic()
+    fresh = newcomers(sched.waiting_queue, now) if st.leader else ()
+    orders = st.plan(now, decode_ctx, queue, inflight, fresh)  # every TP rank, same queue
+    refuse(sched.waiting_queue, orders.refused)
+    return orders.decision
+
+
+def head_first(policy: Any, head: Any) -> None:
+    """Make this round's ``calc_priority`` put ``head`` first (undone by deleting the attribute)."""
+    orig_calc = policy.calc_priority
+
+    def calc_priority(queue, *args, **kwargs):
+        orig_calc(queue, *args, **kwargs)
+        if head in queue:  # the plan's head goes first (EDF among those at risk)
+            queue.remove(head)
+            queue.insert(0, head)
+
+    policy.calc_priority = calc_priority
+
+
+@contextlib.contextmanager
+def round_inputs(sched: Any, dec: Decision, running_batch: Any):
+    """Set, for one call of upstream's prefill-batch builder, the inputs it reads each round,
+    all put back after: ``chunked_prefill_size`` (the chunk budget; the mixed decode tokens
+    upstream takes out of it are given back), ``is_mixed_chunk`` (decode rides along), the
+    in-flight request's share as ``_kda_keep``/``_kda_cap`` on the schedule policy (read by
+    :func:`sglang_kda.policy.adder.in_flight_limit`'s wiring) and the plan's head first after
+    its ``calc_priority`` (:func:`head_first`)."""
+    head = next((r for r in sched.waiting_queue if r.rid == dec.head), None)
+    saved = sched.chunked_prefill_size, sched.is_mixed_chunk
+    policy = sched.policy
+    had_calc = "calc_priority" in policy.__dict__
+    if head is not None:
+        head_first(policy, head)
+    mixed = len(running_batch.reqs) if dec.mix_decode else 0
+    sched.chunked_prefill_size = dec.chunk_budget + mixed
+    sched.is_mixed_chunk = dec.mix_decode
+    policy._kda_keep, policy._kda_cap = dec.keep, dec.cap
+    try:
+        yield
+    finally:
+        sched.chunked_prefill_size, sched.is_mixed_chunk = saved
+        policy._kda_keep = policy._kda_cap = None
+        if head is not None and not had_calc:
+            del policy.calc_priority
+
+
+def run_timed(sched: Any, batch: Any, run: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``run(sched, batch, ...)`` (upstream's ``run_batch``), its launch stamped on the planning
+    rank with the batch's shape and prefills, keyed by the result it returns
+    (:meth:`BudgetRuntime.launched`; overlap runs ahead, so the batch is no key)."""
+    st = getattr(sched, "_kda_budget", None)
+    if not (st and st.leader):
+        return run(sched, batch, *args, **kwargs)
+    shape, prefills = batch_shape(batch), prefills_in(batch)
+    start = time.perf_counter()
+    result = run(sched, batch, *args, **kwargs)
+    st.launched(result, start, shape, prefills)
+    return result
+
+
+def step_done(sched: Any, result: Any) -> None:
+    """The step that returned ``result`` is processed: time it and book its prefills
+    (:meth:`BudgetRuntime.finished`)."""
+    st = getattr(sched, "_kda_budget", None)
+    if st:
+        st.finished(result, time.perf_counter(), time.monotonic())
