@@ -74,6 +74,7 @@ def apply(ctx) -> None:
         orig_init(self, page_size, *args, **kwargs)
         grid = ad.adder_grid(self.page_size, getattr(self, "is_hybrid_ssm_cache", False))
         self._kda = ad.AdderRound(grid, twins)
+        ad.begin_pass(self._kda, self.tree_cache)
 
     @functools.wraps(orig_select)
     def _select_prefill_admission(self, req, **kwargs):
@@ -82,6 +83,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
         orig_commit(self, req, admission, *args, **kwargs)
+        ad.admitted(self._kda, self.tree_cache, req)
         self._kda.checkpoint_admission(admission.prefix_len)
         if admission.is_chunked:
             self.rem_chunk_tokens = self._kda.closed_budget(self.rem_chunk_tokens)

@@ -15,6 +15,7 @@ import pytest
 from sglang_kda.cache.stats import STATS
 from sglang_kda.config import KDAConfig
 from sglang_kda.policy import runtime as rt
+from sglang_kda.policy import adder as ad
 from sglang_kda.policy.adder import AdderRound, adder_grid, leaders_of
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda.state import RECENT_CUTS
@@ -337,3 +338,43 @@ def test_a_twin_waits_for_the_leader_admitted_this_round():
     assert not st.twin_waits(list(range(5000, 6000)), 0, 999, leaders_of([leader]))
     assert not AdderRound(64, twins=False).twin_waits(shared, 0, 999, leaders_of([leader]))
     assert not st.twin_waits(shared, 0, 999, [])  # nobody admitted yet: no leader
+
+
+def _overlap_passes(book_owner, leader, follower_ids, processed_late: bool):
+    """Pass 1 admits the leader's first slice; pass 2 (planned before pass 1's result is
+    processed when ``processed_late``, as the overlap scheduler does) asks about the follower."""
+    st1 = AdderRound(64)
+    ad.begin_pass(st1, book_owner)
+    ad.admitted(st1, book_owner, leader)
+    if not processed_late:
+        ad.slices_processed(book_owner, [leader])
+    st2 = AdderRound(64)
+    ad.begin_pass(st2, book_owner)
+    return st2, st2.twin_waits(follower_ids, 0, len(follower_ids) - 1, st2.pending)
+
+
+def test_under_overlap_a_twin_waits_for_the_previous_rounds_unprocessed_slice():
+    shared = list(range(300))
+    leader = NS(full_untruncated_fill_ids=shared + [1], prefix_len=0, extend_end=128)
+    follower = shared + [7]
+    # overlap: round 1's checkpoints (64, 128) are not in the tree when round 2 admits
+    st, waits = _overlap_passes(NS(), leader, follower, processed_late=True)
+    assert waits and [(p.start, p.end) for p in st.pending] == [(0, 128)]
+    # no overlap: round 1 was processed first, its checkpoints are cached: nothing pending
+    st, waits = _overlap_passes(NS(), leader, follower, processed_late=False)
+    assert not waits and st.pending == []
+
+
+def test_pending_slices_last_one_round_and_leave_in_launch_order():
+    owner, req = NS(), NS(full_untruncated_fill_ids=list(range(300)), prefix_len=0, extend_end=64)
+    book = ad.pass_book(owner)
+    book.begin()
+    book.admitted(req)  # pass 1: [0, 64)
+    assert len(book.begin()) == 1  # pass 2 sees it
+    req.prefix_len, req.extend_end = 64, 128
+    book.admitted(req)  # pass 2: [64, 128)
+    book.processed([req])  # pass 1's result: its slice leaves first
+    assert [(p.start, p.end) for p in book.begin()] == [(64, 128)]  # pass 3
+    assert book.begin() == [] and len(book) == 0  # a result that never comes: dropped
+    book.processed([req])  # a late result for a dropped slice changes nothing
+    assert len(book) == 0

@@ -14,7 +14,9 @@ SGLang's objects: :func:`cut_admission`, :func:`add_one`, :func:`add_chunked`):
   (:meth:`AdderRound.closed_budget`).
 * **Twins wait** (:meth:`AdderRound.twin_waits`, ``--kda-twins``): a candidate that shares an
   uncached prefix with a request admitted in the same round waits for its checkpoints
-  (:func:`sglang_kda.policy.admission.twin_gain`).
+  (:func:`sglang_kda.policy.admission.twin_gain`). Under the overlap scheduler the previous
+  round's prefill slices count too: SGLang plans round N+1 before it processes round N's result,
+  so N's checkpoints are not in the tree yet when N+1 admits (:class:`PassBook`).
 * Counters of what the pass did go to :data:`sglang_kda.cache.stats.STATS`.
 
 A request turned down this way stays in the waiting queue; the state slot its match staged is
@@ -25,7 +27,8 @@ admit), so requests behind it are still considered.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang_kda.cache.stats import STATS
@@ -46,6 +49,8 @@ class AdderRound:
     round_chunked: bool = False  # the round holds an unfinished chunked request
     refused: Any = None  # the request whose cut admission was just turned down
     twin_waiting: bool = False  # a twin waits in this pass
+    # the previous pass's slices whose checkpoints are not in the tree yet (:class:`PassBook`)
+    pending: list = field(default_factory=list)
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         """The chunk length ending on the grid (see the module docstring), recorded."""
@@ -108,10 +113,85 @@ def adder_grid(page_size: int, hybrid_ssm: bool) -> int:
     return checkpoint_grid(page_size) if hybrid_ssm else 1
 
 
+class PassBook:
+    """The prefill slices admitted by recent passes whose results are not processed yet.
+
+    A request's checkpoints enter the tree when the scheduler processes the result of the step
+    that computed them. Without the overlap scheduler that happens before the next pass; with it,
+    SGLang plans round N+1 (and admits) before it processes round N's result. A follower that
+    shares round N's slice would then find nothing cached and compute the shared prefix itself.
+    The book keeps, per request, its admitted slices in order (one per pass); processing a step
+    drops each of its requests' oldest slice (results are processed in launch order). A pass sees
+    the previous pass's slices still pending as leaders; older ones are dropped, so a follower
+    waits at most one round longer than without overlap, even if a step's result never comes.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0  # passes begun
+        self._slices: dict[int, deque] = {}  # id(req) -> deque of (pass, Leader, req)
+
+    def begin(self) -> list[Leader]:
+        """A new pass: the previous pass's slices whose results are still unprocessed."""
+        prev, self.n = self.n, self.n + 1
+        pending = []
+        for key in list(self._slices):
+            q = self._slices[key]
+            while q and q[0][0] < prev:
+                q.popleft()
+            pending += [ld for n, ld, _req in q if n == prev]
+            if not q:
+                del self._slices[key]
+        return pending
+
+    def admitted(self, req: Any) -> None:
+        """``req`` runs [prefix_len, extend_end) in the current pass."""
+        ld = Leader(req.full_untruncated_fill_ids, req.prefix_len, req.extend_end)
+        self._slices.setdefault(id(req), deque()).append((self.n, ld, req))
+
+    def processed(self, reqs: Iterable[Any]) -> None:
+        """A prefill step's result was processed: its requests' checkpoints are in the tree."""
+        for r in reqs:
+            q = self._slices.get(id(r))
+            if q:
+                q.popleft()
+                if not q:
+                    del self._slices[id(r)]
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._slices.values())
+
+
+def pass_book(tree_cache: Any) -> PassBook:
+    """The tree cache's :class:`PassBook` (one per scheduler)."""
+    book = tree_cache.__dict__.get("_kda_pass_book")
+    if book is None:
+        book = tree_cache._kda_pass_book = PassBook()
+    return book
+
+
+def slices_processed(tree_cache: Any, reqs: Iterable[Any]) -> None:
+    """A prefill step's result was processed (its checkpoints inserted): update the book."""
+    book = tree_cache.__dict__.get("_kda_pass_book")
+    if book is not None:
+        book.processed(reqs)
+
+
 # -- the edge: SGLang's requests ---------------------------------------------------------------
 def leaders_of(reqs: Iterable[Any]) -> list[Leader]:
     """The requests admitted so far in the pass, as the twin rule sees them."""
     return [Leader(r.full_untruncated_fill_ids, r.prefix_len, r.extend_end) for r in reqs]
+
+
+def begin_pass(st: AdderRound, tree_cache: Any) -> None:
+    """A ``PrefillAdder`` was built: note the previous pass's unprocessed slices as leaders."""
+    if st.twins_wait:
+        st.pending = pass_book(tree_cache).begin()
+
+
+def admitted(st: AdderRound, tree_cache: Any, req: Any) -> None:
+    """``req`` was admitted (or continues chunked) in this pass: book its slice."""
+    if st.twins_wait:
+        pass_book(tree_cache).admitted(req)
 
 
 def waiting_work(req: Any) -> int:
@@ -168,10 +248,11 @@ def add_one(
     *args)``): a twin waits (``turned_down``, not admitted); a request turned down, here or by
     :func:`cut_admission`, gives back the state its match staged; an admission made past a
     waiting twin is counted."""
-    if st.twins_wait and adder.can_run_list:
+    if st.twins_wait and (adder.can_run_list or st.pending):
         ids = req.full_untruncated_fill_ids
         limit = req._compute_max_prefix_len(len(ids))
-        if st.twin_waits(ids, req.prefix_len, limit, leaders_of(adder.can_run_list)):
+        leaders = leaders_of(adder.can_run_list) + st.pending
+        if st.twin_waits(ids, req.prefix_len, limit, leaders):
             release_staged_state(adder.tree_cache, req)
             return turned_down
     n_before = len(adder.can_run_list)
@@ -193,9 +274,12 @@ def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
 
         resume_in_flight(adder.tree_cache, req)
     st.prefix_len = req.prefix_len
+    n_before = len(adder.can_run_list)
     still_chunked = add(adder, req)
     if still_chunked is not None:  # running this round or parked: either way it is the one
         st.round_chunked = True
+    if len(adder.can_run_list) > n_before:  # it runs a slice this round
+        admitted(st, adder.tree_cache, req)
     return still_chunked
 
 

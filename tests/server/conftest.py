@@ -10,7 +10,16 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # reference_forward
 sys.path.insert(0, str(HERE))  # harness
-from harness import NEW_TOKENS, PROMPT_LENS  # noqa: E402
+from harness import (  # noqa: E402
+    KDA_128_SHARED_FLAGS,
+    KDA_SHARED_FLAGS,
+    NEW_TOKENS,
+    POISON,
+    POISON_ENV,
+    PROMPT_LENS,
+    STOCK_SHARED_FLAGS,
+    start_server,
+)
 from reference_forward import ReferenceKimiLinear  # noqa: E402
 
 
@@ -42,3 +51,42 @@ def reference(tiny_model_dir, prompts) -> list[tuple[list[int], list[float]]]:
         logprobs = logits.log_softmax(-1)
         expected.append((list(tokens), [float(logprobs[i, t]) for i, t in enumerate(tokens)]))
     return expected
+
+
+# --- Servers shared across modules ---------------------------------------------------------------
+# A server start costs ~40-60 s on the 2-core machine (each SGLang process imports ~15 s of
+# modules), more than most modules' tests. Modules that need nothing but a policy's defaults share
+# one server for the session; each module's own fixture flushes its cache first (tests compare
+# counters as deltas). An idle server costs ~2% of a core.
+
+
+@pytest.fixture(scope="session")
+def kda_server(tmp_path_factory, tiny_model_dir):
+    """sglang_kda's default policy with the debug integrity walk, metrics, ``--kda-max-n 4`` and
+    the fault-injection seam for rids starting with ``POISON`` (test_server_kda,
+    test_checkpoint_cache, test_abort_storm, test_hostile_requests, test_example_fork)."""
+    srv = start_server(
+        tmp_path_factory, tiny_model_dir, "kda-shared", list(KDA_SHARED_FLAGS), {POISON_ENV: POISON}
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def stock_server(tmp_path_factory, tiny_model_dir):
+    """``--kda-policy stock``: SGLang's own scheduler and radix cache, only the CPU execution
+    patches (test_server_stock, test_abort_storm, test_concurrency_property)."""
+    srv = start_server(tmp_path_factory, tiny_model_dir, "stock-shared", list(STOCK_SHARED_FLAGS))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def kda_128_server(tmp_path_factory, tiny_model_dir):
+    """sglang_kda's defaults at ``--chunked-prefill-size 128`` with the debug integrity walk
+    (test_concurrency_property, test_short_beside_long)."""
+    srv = start_server(
+        tmp_path_factory, tiny_model_dir, "kda-128-shared", list(KDA_128_SHARED_FLAGS)
+    )
+    yield srv
+    srv.stop()

@@ -11,6 +11,28 @@ import pytest
 from sglang_kda.harness import Server
 
 START_TIMEOUT_S = 420
+# A test server is stopped by SIGTERM to its process group and SIGKILL this long after: SGLang's
+# graceful path takes ~6 s (a scheduler killed by the group signal makes the launcher sleep 5 s
+# for crash diagnostics), which is nothing a test checks.
+STOP_GRACE_S = 1
+# Live state slots of requests whose rid starts with POISON are overwritten after their prefill
+# on servers started with POISON_ENV (the test seam sglang_kda/faults.py).
+POISON_ENV, POISON = "SGLANG_KDA_DEBUG_POISON_RID_PREFIX", "poison-"
+# The flags of the servers shared across modules (``conftest.py``: ``kda_server``,
+# ``stock_server``).
+SHARED_MAX_N = 4  # tests/server/test_hostile_requests.py's limit
+KDA_SHARED_FLAGS = (
+    "--kda-policy", "kda",
+    "--kda-debug-integrity", "on",  # the integrity walk after every prefill step
+    "--enable-metrics",
+    "--kda-max-n", str(SHARED_MAX_N),
+)  # fmt: skip
+STOCK_SHARED_FLAGS = ("--kda-policy", "stock")
+KDA_128_SHARED_FLAGS = (
+    "--kda-policy", "kda",
+    "--chunked-prefill-size", "128",
+    "--kda-debug-integrity", "on",
+)  # fmt: skip
 CHUNK = 64  # the tests' --chunked-prefill-size: prompts of a few hundred tokens take rounds
 NEW_TOKENS = 8
 # Server (float32) vs reference (float64) log-probs of the chosen tokens. Measured: <= 5e-6.
@@ -19,13 +41,20 @@ LOGPROB_ATOL = 1e-4
 PROMPT_LENS = (150, 203, 64, 5)
 
 
-def start_server(tmp_path_factory, tiny_model_dir: Path, name: str, extra: list[str]) -> Server:
-    """A server on the tiny model with ``--chunked-prefill-size CHUNK`` and ``extra``; its log
-    lies in a fresh pytest temporary directory."""
+def start_server(
+    tmp_path_factory, tiny_model_dir: Path, name: str, extra: list[str], env=None
+) -> Server:
+    """A server on the tiny model with ``--chunked-prefill-size CHUNK`` and ``extra`` (and
+    ``env`` added to the environment); its log lies in a fresh pytest temporary directory."""
     log_dir = tmp_path_factory.mktemp("server-logs")
     args = ["--model-path", str(tiny_model_dir), "--chunked-prefill-size", str(CHUNK), *extra]
     return Server(
-        args, log_dir / f"{name}.log", name=name, ready_timeout_s=START_TIMEOUT_S, stop_grace_s=30
+        args,
+        log_dir / f"{name}.log",
+        name=name,
+        env=env,
+        ready_timeout_s=START_TIMEOUT_S,
+        stop_grace_s=STOP_GRACE_S,
     )
 
 

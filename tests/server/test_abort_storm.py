@@ -38,7 +38,6 @@ from harness import (
     CHUNK,
     flush_cache_until_ok,
     kda_report,
-    start_server,
     wait_until_no_requests,
 )
 
@@ -52,14 +51,13 @@ WORKERS = 5
 
 
 @pytest.fixture(scope="module", params=["kda", "stock"])
-def server(request, tmp_path_factory, tiny_model_dir):
+def server(request):
+    """The session's shared server of each policy (``conftest.py``), flushed."""
     policy = request.param
-    srv = start_server(
-        tmp_path_factory, tiny_model_dir, f"storm-{policy}", ["--kda-policy", policy]
-    )
+    srv = request.getfixturevalue(f"{policy}_server")
+    srv.flush_cache()
     srv.policy = policy
-    yield srv
-    srv.stop()
+    return srv
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

@@ -10,7 +10,6 @@ strict integrity walk (no live slot referenced by the tree, no orphan slot).
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from harness import (
+    POISON,
     assert_matches_reference,
     flush_cache_until_ok,
     kda_report,
@@ -39,25 +39,13 @@ def ref(tiny_model_dir):
     return reference_greedy(tiny_model_dir, NEW)
 
 
-POISON = "poison-"
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    # Fault injection: live state slots of requests whose rid starts with POISON are overwritten
-    # after their prefill (the test seam sglang_kda/faults.py).
-    os.environ["SGLANG_KDA_DEBUG_POISON_RID_PREFIX"] = POISON
-    try:
-        srv = start_server(
-            tmp_path_factory,
-            tiny_model_dir,
-            "cache",
-            ["--kda-policy", "kda", "--kda-debug-integrity", "on", "--enable-metrics"],
-        )
-    finally:
-        del os.environ["SGLANG_KDA_DEBUG_POISON_RID_PREFIX"]
-    yield srv
-    srv.stop()
+def server(kda_server):
+    """The session's shared kda server (``conftest.py``): integrity walk and metrics on, live
+    state slots of requests whose rid starts with ``POISON`` overwritten after their prefill
+    (the test seam sglang_kda/faults.py)."""
+    kda_server.flush_cache()
+    return kda_server
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:

@@ -22,7 +22,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import flush_cache_until_ok, start_server
+from harness import CHUNK, flush_cache_until_ok
 
 pytestmark = pytest.mark.server
 
@@ -33,18 +33,14 @@ TIE_ATOL = 1e-4
 VOCAB_LO, VOCAB_HI = 10, 1000  # plain tokens of the tiny model's 1024-entry vocabulary
 
 
-@pytest.fixture(scope="module", params=[("kda", 128), ("stock", 64)], ids=["kda", "stock"])
-def server(request, tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=[("kda", 128), ("stock", CHUNK)], ids=["kda", "stock"])
+def server(request):
+    """The session's shared servers (conftest.py): kda at chunk 128, stock at ``CHUNK``."""
     policy, chunk = request.param
-    srv = start_server(
-        tmp_path_factory,
-        tiny_model_dir,
-        f"property-{policy}",
-        ["--kda-policy", policy, "--chunked-prefill-size", str(chunk)],
-    )
+    srv = request.getfixturevalue("kda_128_server" if policy == "kda" else "stock_server")
+    srv.flush_cache()
     srv.chunk = chunk
-    yield srv
-    srv.stop()
+    return srv
 
 
 def _generate(server, ids: list[int]) -> dict:

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import start_server
 
 pytestmark = pytest.mark.server
 
@@ -21,10 +20,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fork_shared_contex
 
 
 @pytest.fixture(scope="module")
-def server_kda_metrics(tmp_path_factory, tiny_model_dir):
-    server = start_server(tmp_path_factory, tiny_model_dir, "kda-fork", ["--enable-metrics"])
-    yield server
-    server.stop()
+def server_kda_metrics(kda_server):
+    kda_server.flush_cache()  # shared with other modules (conftest.py); runs with metrics on
+    return kda_server
 
 
 def test_fork_example_reports_computed_and_cached_tokens(server_kda_metrics):

@@ -1,10 +1,11 @@
 """Hostile requests on a running server: a 4xx naming the field; no 5xx, hang or dead server.
 
-One server for the module (``--kda-max-n 4``). Each finding of issue 6 ("hostile requests kill
-the server") is sent to the native ``/generate`` route and to the OpenAI routes, streaming and
-not; after each the server must still generate (``/health_generate``). A hypothesis fuzz pass then
-sends wrong types, huge / negative / non-finite numbers, unknown fields and nested garbage to
-both APIs: no answer may be a 5xx or carry a server file path, and the server must stay healthy.
+The session's shared kda server (``--kda-max-n 4``, ``conftest.py``). Each finding of issue 6
+("hostile requests kill the server") is sent to the native ``/generate`` route and to the OpenAI
+routes, streaming and not; after each the server must still generate (``/health_generate``). A
+hypothesis fuzz pass then sends wrong types, huge / negative / non-finite numbers, unknown fields
+and nested garbage to both APIs: no answer may be a 5xx or carry a server file path, and the server
+must stay healthy.
 
 The fuzz runs ``SGLANG_KDA_FUZZ_EXAMPLES`` examples per route (default 60) with at most a few
 new tokens per request, derandomized (the same examples every run); set it higher for a longer
@@ -20,13 +21,13 @@ import re
 
 import pytest
 import requests
-from harness import start_server
+from harness import SHARED_MAX_N
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.server
 
-MAX_N = 4
+MAX_N = SHARED_MAX_N
 FUZZ_EXAMPLES = int(os.environ.get("SGLANG_KDA_FUZZ_EXAMPLES", "60"))
 REQUEST_TIMEOUT_S = 120  # a request the server does not answer in this time counts as a hang
 # A server-side path or a traceback line in a response body.
@@ -36,10 +37,9 @@ CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    srv = start_server(tmp_path_factory, tiny_model_dir, "hostile", ["--kda-max-n", str(MAX_N)])
-    yield srv
-    srv.stop()
+def server(kda_server):
+    kda_server.flush_cache()  # shared with other modules (conftest.py), started with MAX_N
+    return kda_server
 
 
 def post(server, path: str, payload) -> requests.Response:

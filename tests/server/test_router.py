@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from harness import START_TIMEOUT_S
+from harness import START_TIMEOUT_S, STOP_GRACE_S
 
 from sglang_kda.harness import Router, Server, StreamResult, stream_generate_sync
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
@@ -50,7 +50,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
     def start(i: int) -> Server:
         return Server(
             args, log_dir / f"worker{i}.log", name=f"worker{i}",
-            ready_timeout_s=START_TIMEOUT_S, stop_grace_s=30,
+            ready_timeout_s=START_TIMEOUT_S, stop_grace_s=STOP_GRACE_S,
         )  # fmt: skip
 
     with ThreadPoolExecutor(2) as pool:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from harness import check_against_reference, flush_cache_until_ok, generate, start_server
+from harness import check_against_reference, flush_cache_until_ok, generate
 
 from sglang_kda.tiny_model import CONTEXT_LENGTH
 
@@ -21,10 +21,9 @@ pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def server_kda(tmp_path_factory, tiny_model_dir):
-    server = start_server(tmp_path_factory, tiny_model_dir, "kda", ["--enable-metrics"])
-    yield server
-    server.stop()
+def server_kda(kda_server):
+    kda_server.flush_cache()  # shared with other modules (conftest.py)
+    return kda_server
 
 
 def test_patches_are_live_in_the_scheduler_process(server_kda):

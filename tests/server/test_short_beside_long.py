@@ -27,10 +27,15 @@ VOCAB_LO, VOCAB_HI = 10, 1000
 
 @pytest.fixture(scope="module", params=["default", "budget-off"])
 def server(request, tmp_path_factory, tiny_model_dir):
+    if request.param == "default":  # the session's shared server at chunk 128 (conftest.py)
+        srv = request.getfixturevalue("kda_128_server")
+        srv.flush_cache()
+        yield srv
+        return
     extra = ["--chunked-prefill-size", str(CHUNK), "--kda-debug-integrity", "on"]
-    if request.param == "budget-off":
-        extra += ["--kda-budget", "off"]
-    srv = start_server(tmp_path_factory, tiny_model_dir, f"hol-{request.param}", extra)
+    srv = start_server(
+        tmp_path_factory, tiny_model_dir, "hol-budget-off", extra + ["--kda-budget", "off"]
+    )
     yield srv
     srv.stop()
 
