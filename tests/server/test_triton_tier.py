@@ -45,7 +45,14 @@ INTERPRET_ENV = {"TRITON_INTERPRET": "1"}
 
 
 CONFIGS = {
-    "extra_buffer-page1": ["--mamba-radix-cache-strategy", "extra_buffer"],
+    # chunk 256: the twins' leader computes the shared prefix in one slice, which the next round
+    # is planned before (the overlap scheduler's case for sglang_kda.policy.adder.PassBook)
+    "extra_buffer-page1": [
+        "--mamba-radix-cache-strategy",
+        "extra_buffer",
+        "--chunked-prefill-size",
+        "256",
+    ],
     "extra_buffer-page64": ["--mamba-radix-cache-strategy", "extra_buffer", "--page-size", "64"],
     "no_buffer": [],
 }
