@@ -205,8 +205,10 @@ class KDAConfig:
         grid_multiple,
         f"`0` or a multiple of {KDA_KERNEL_CHUNK}",
         "Spacing in tokens of the KDA state checkpoints the kda policy puts in the radix tree "
-        "while a prefill runs; `0` = the checkpoint grid `max(64, page_size)`. Larger values "
-        "keep fewer states per prompt.",
+        "while a prefill runs; `0` = the checkpoint grid `max(64, page_size)` on CPU, and on "
+        "CUDA the memory-parity spacing (a checkpoint holds no more bytes than the KV of the "
+        "tokens it spans; its capture is taken out of `--mem-fraction-static`, see docs/gpu.md). "
+        "Larger values keep fewer states per prompt.",
     )
     checkpoint_pool_size: int = flag(
         0,

@@ -341,6 +341,54 @@ def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
     return config, rest, cpu_engine
 
 
+def _model_config_json(model_path: str, revision=None) -> dict | None:
+    """The model's ``config.json`` (a local directory, else the hub's copy SGLang fetches too)."""
+    local = Path(model_path) / "config.json"
+    try:
+        if local.is_file():
+            return json.loads(local.read_text())
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(
+            Path(hf_hub_download(model_path, "config.json", revision=revision)).read_text()
+        )
+    except Exception:  # noqa: BLE001 - no config: the grid spacing stays
+        return None
+
+
+def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str]:
+    """On CUDA with ``--kda-checkpoint-every 0``: the memory-parity spacing and the capture's
+    reservation out of ``--mem-fraction-static`` (:func:`sglang_kda.policy.spacing.cuda_plan`);
+    ``server_args`` is updated in place. Returns the config to export and a line to log."""
+    import dataclasses
+
+    import torch
+
+    from sglang_kda.policy.spacing import cuda_plan
+
+    model = _model_config_json(server_args.model_path, getattr(server_args, "revision", None))
+    if not model or "linear_attn_config" not in model:
+        return config, "no Kimi-Linear config.json found: checkpoints on the grid"
+    chunk = server_args.chunked_prefill_size
+    if not chunk or chunk <= 0:
+        chunk = server_args.max_prefill_tokens
+    kv_dtype = str(server_args.kv_cache_dtype)
+    if kv_dtype == "auto":
+        kv_dtype = str(getattr(server_args, "dtype", "auto"))
+    kv_bytes = 1 if "fp8" in kv_dtype else 4 if kv_dtype in ("float32", "float") else 2
+    plan = cuda_plan(
+        model,
+        tp_size=server_args.tp_size,
+        page_size=server_args.page_size or 1,
+        chunk_tokens=chunk,
+        mem_fraction_static=server_args.mem_fraction_static,
+        gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+        kv_dtype_bytes=kv_bytes,
+    )
+    server_args.mem_fraction_static = plan.mem_fraction_static
+    return dataclasses.replace(config, checkpoint_every=plan.every), plan.note
+
+
 def print_help() -> None:
     from sglang.srt.server_args import ServerArgs
 
@@ -398,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang_kda.launch_server: error: {r}", file=sys.stderr)
     if refused:
         return 2
+    if not cpu_engine and config.policy == "kda" and config.checkpoint_every == 0:
+        config, note = cuda_checkpoint_plan(config, server_args)
+        os.environ.update(config.to_env())  # before SGLang spawns its ranks, which read it
+        print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
     if cpu_engine:  # before SGLang spawns its ranks, which read it
         bind_env, note = cpu_threads_bind_env(server_args)
         if not bind_env:
