@@ -73,7 +73,8 @@ def apply(ctx) -> None:
     def __init__(self, page_size, *args, **kwargs):
         orig_init(self, page_size, *args, **kwargs)
         grid = ad.adder_grid(self.page_size, getattr(self, "is_hybrid_ssm_cache", False))
-        self._kda = ad.AdderRound(grid, twins)
+        every = ctx.config.checkpoint_every_tokens(self.page_size) if grid > 1 else 0
+        self._kda = ad.AdderRound(grid, twins, every=every)
         ad.begin_pass(self._kda, self.tree_cache)
 
     @functools.wraps(orig_select)

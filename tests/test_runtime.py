@@ -338,6 +338,11 @@ def test_a_twin_waits_for_the_leader_admitted_this_round():
     assert not st.twin_waits(list(range(5000, 6000)), 0, 999, leaders_of([leader]))
     assert not AdderRound(64, twins=False).twin_waits(shared, 0, 999, leaders_of([leader]))
     assert not st.twin_waits(shared, 0, 999, [])  # nobody admitted yet: no leader
+    # checkpoints every 704 tokens (the CUDA spacing): a twin sharing 640 tokens reaches none
+    sparse = AdderRound(64, every=704)
+    short = NS(full_untruncated_fill_ids=shared[:640] + [1], prefix_len=0, extend_end=641)
+    assert not sparse.twin_waits(shared[:640] + [9], 0, 640, leaders_of([short]))
+    assert sparse.twin_waits(shared + [9], 0, 1000, leaders_of([leader]))  # 704 reachable
 
 
 def _overlap_passes(book_owner, leader, follower_ids, processed_late: bool):

@@ -51,6 +51,7 @@ class AdderRound:
     twin_waiting: bool = False  # a twin waits in this pass
     # the previous pass's slices whose checkpoints are not in the tree yet (:class:`PassBook`)
     pending: list = field(default_factory=list)
+    every: int = 0  # checkpoint spacing (``--kda-checkpoint-every``, a grid multiple); 0: grid
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         """The chunk length ending on the grid (see the module docstring), recorded."""
@@ -91,7 +92,8 @@ class AdderRound:
         one round for the checkpoints of the requests admitted so far (``leaders``)."""
         if not (self.twins_wait and leaders):
             return False
-        if not twin_gain(ids, prefix_len, max_prefix, leaders, self.grid):
+        # checkpoints sit every ``every`` tokens: a twin waits only for one it can reach
+        if not twin_gain(ids, prefix_len, max_prefix, leaders, self.every or self.grid):
             return False
         STATS.add("twin_waits")
         self.twin_waiting = True
