@@ -17,6 +17,7 @@ from harness import (  # noqa: E402
     POISON,
     POISON_ENV,
     PROMPT_LENS,
+    SHARED_KEY_BLOCK,
     STOCK_SHARED_FLAGS,
     start_server,
 )
@@ -62,12 +63,14 @@ def reference(tiny_model_dir, prompts) -> list[tuple[list[int], list[float]]]:
 
 @pytest.fixture(scope="session")
 def kda_server(tmp_path_factory, tiny_model_dir):
-    """sglang_kda's default policy with the debug integrity walk, metrics, ``--kda-max-n 4`` and
-    the fault-injection seam for rids starting with ``POISON`` (test_server_kda,
-    test_checkpoint_cache, test_abort_storm, test_hostile_requests, test_example_fork)."""
-    srv = start_server(
-        tmp_path_factory, tiny_model_dir, "kda-shared", list(KDA_SHARED_FLAGS), {POISON_ENV: POISON}
-    )
+    """sglang_kda's default policy with the debug integrity walk, metrics, ``--kda-max-n 4``,
+    the fault-injection seam for rids starting with ``POISON`` and a 256-key extend attention
+    block (test_server_kda, test_checkpoint_cache, test_abort_storm, test_hostile_requests,
+    test_example_fork, test_long_prompt)."""
+    from sglang_kda.cpu.mla_route import KEY_BLOCK_ENV
+
+    env = {POISON_ENV: POISON, KEY_BLOCK_ENV: str(SHARED_KEY_BLOCK)}
+    srv = start_server(tmp_path_factory, tiny_model_dir, "kda-shared", list(KDA_SHARED_FLAGS), env)
     yield srv
     srv.stop()
 

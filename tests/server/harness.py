@@ -28,6 +28,9 @@ KDA_SHARED_FLAGS = (
     "--kda-max-n", str(SHARED_MAX_N),
 )  # fmt: skip
 STOCK_SHARED_FLAGS = ("--kda-policy", "stock")
+# kda_server's blockwise extend attention key block (SGLANG_KDA_EXTEND_KEY_BLOCK): small, so
+# test_long_prompt's 8k-token prompt runs many key blocks on it
+SHARED_KEY_BLOCK = 256
 KDA_128_SHARED_FLAGS = (
     "--kda-policy", "kda",
     "--chunked-prefill-size", "128",
