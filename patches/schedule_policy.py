@@ -84,7 +84,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
         orig_commit(self, req, admission, *args, **kwargs)
-        ad.admitted(self._kda, self.tree_cache, req)
+        ad.book_slice(self._kda, self.tree_cache, req)
         self._kda.checkpoint_admission(admission.prefix_len)
         if admission.is_chunked:
             self.rem_chunk_tokens = self._kda.closed_budget(self.rem_chunk_tokens)

@@ -350,7 +350,7 @@ def _overlap_passes(book_owner, leader, follower_ids, processed_late: bool):
     processed when ``processed_late``, as the overlap scheduler does) asks about the follower."""
     st1 = AdderRound(64)
     ad.begin_pass(st1, book_owner)
-    ad.admitted(st1, book_owner, leader)
+    ad.book_slice(st1, book_owner, leader)
     if not processed_late:
         ad.slices_processed(book_owner, [leader])
     st2 = AdderRound(64)

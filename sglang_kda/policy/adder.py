@@ -130,7 +130,8 @@ class PassBook:
 
     def __init__(self) -> None:
         self.n = 0  # passes begun
-        self._slices: dict[int, deque] = {}  # id(req) -> deque of (pass, Leader, req)
+        # id(req) -> deque of (pass, Leader, req); the req is held so its id is not reused
+        self._slices: dict[int, deque] = {}
 
     def begin(self) -> list[Leader]:
         """A new pass: the previous pass's slices whose results are still unprocessed."""
@@ -147,8 +148,7 @@ class PassBook:
 
     def admitted(self, req: Any) -> None:
         """``req`` runs [prefix_len, extend_end) in the current pass."""
-        ld = Leader(req.full_untruncated_fill_ids, req.prefix_len, req.extend_end)
-        self._slices.setdefault(id(req), deque()).append((self.n, ld, req))
+        self._slices.setdefault(id(req), deque()).append((self.n, leader_of(req), req))
 
     def processed(self, reqs: Iterable[Any]) -> None:
         """A prefill step's result was processed: its requests' checkpoints are in the tree."""
@@ -179,9 +179,14 @@ def slices_processed(tree_cache: Any, reqs: Iterable[Any]) -> None:
 
 
 # -- the edge: SGLang's requests ---------------------------------------------------------------
+def leader_of(req: Any) -> Leader:
+    """An admitted request as the twin rule sees it: its tokens and the slice it computes."""
+    return Leader(req.full_untruncated_fill_ids, req.prefix_len, req.extend_end)
+
+
 def leaders_of(reqs: Iterable[Any]) -> list[Leader]:
     """The requests admitted so far in the pass, as the twin rule sees them."""
-    return [Leader(r.full_untruncated_fill_ids, r.prefix_len, r.extend_end) for r in reqs]
+    return [leader_of(r) for r in reqs]
 
 
 def begin_pass(st: AdderRound, tree_cache: Any) -> None:
@@ -190,7 +195,7 @@ def begin_pass(st: AdderRound, tree_cache: Any) -> None:
         st.pending = pass_book(tree_cache).begin()
 
 
-def admitted(st: AdderRound, tree_cache: Any, req: Any) -> None:
+def book_slice(st: AdderRound, tree_cache: Any, req: Any) -> None:
     """``req`` was admitted (or continues chunked) in this pass: book its slice."""
     if st.twins_wait:
         pass_book(tree_cache).admitted(req)
@@ -281,7 +286,7 @@ def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
     if still_chunked is not None:  # running this round or parked: either way it is the one
         st.round_chunked = True
     if len(adder.can_run_list) > n_before:  # it runs a slice this round
-        admitted(st, adder.tree_cache, req)
+        book_slice(st, adder.tree_cache, req)
     return still_chunked
 
 

@@ -14,13 +14,18 @@ import threading
 import time
 
 import pytest
-from harness import assert_matches_reference, kda_report, reference_greedy, start_server
+from harness import (
+    KDA_128_SHARED_FLAGS,
+    assert_matches_reference,
+    kda_report,
+    reference_greedy,
+    start_server,
+)
 
 pytestmark = pytest.mark.server
 
 NEW = 4
 LONG = 4_000  # 32 rounds at chunk 128 (the long prompt keeps half of each round it shares)
-CHUNK = 128
 SHORT = (20, 45, 33)
 VOCAB_LO, VOCAB_HI = 10, 1000
 
@@ -32,7 +37,7 @@ def server(request, tmp_path_factory, tiny_model_dir):
         srv.flush_cache()
         yield srv
         return
-    extra = ["--chunked-prefill-size", str(CHUNK), "--kda-debug-integrity", "on"]
+    extra = list(KDA_128_SHARED_FLAGS)  # the default case's server, the budget off
     srv = start_server(
         tmp_path_factory, tiny_model_dir, "hol-budget-off", extra + ["--kda-budget", "off"]
     )
