@@ -1,33 +1,41 @@
-"""Head-of-line blocking and decode interference, side by side on fresh servers (issue 20).
+"""Head-of-line blocking and decode interference, side by side (issue 20).
 
-Two workloads, each on a fresh server per configuration (tiny model, CPU, chunk 256 unless
-``--chunk``):
+One server per configuration (tiny model, CPU, chunk 256 unless ``--chunk``), all up at once;
+each workload runs ``--repeat`` times (default 3), the configurations taking turns, so a slow
+spell of the (shared, virtual) machine hits neighbouring runs alike; reports are medians and
+ratios to the stock run of the same turn:
 
 * ``hol``: one long prompt (24,000 tokens) at 0 s, then four 80-token prompts from 1 s on, 0.5 s
-  apart. Reports the long prompt's TTFT and the short prompts' TTFT p50 / max.
+  apart. Reports the long prompt's TTFT and the short prompts' TTFT p50 / max; with ``--trace``
+  (``SGLANG_KDA_STEP_TRACE``) also where the long prompt's time went: forward steps, the
+  scheduler's time between them, slices run beside other work.
 * ``decode``: four streaming decode streams, then a 6,000-token prompt; reports decode ITL p99
   while the prompt prefills against decode alone, the prompt's TTFT against its TTFT alone (same
   server, cache flushed), and whether a per-request deadline of 1.5x alone was met.
 
 Configurations: ``stock`` (``--kda-policy stock``: SGLang's own scheduling), ``kda`` (the
 launcher's defaults) and any ``--config NAME='flags'`` given. Results:
-``benchmark/results/head_of_line/{hol,decode}.csv``, ``summary.md`` (ratios to stock) and
-``hol.png``.
+``benchmark/results/head_of_line/{hol,decode}.csv`` (medians), ``{hol,decode}_runs.csv`` (every
+run), ``summary.md`` and ``hol.png``.
 
-    .venv/bin/python benchmark/head_of_line.py [--quick] [--config budget='--kda-budget serial']
+    .venv/bin/python benchmark/head_of_line.py [--quick] [--repeat N] [--trace]
+        [--config budget-off='--kda-budget off']
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shlex
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from sglang_kda import harness as H
+from sglang_kda import steps
 
 OUT = H.REPO / "benchmark" / "results" / "head_of_line"
 VOCAB_LO, VOCAB_HI = 10, 1000
@@ -57,12 +65,39 @@ def run_hol(server, long_len: int, shorts: int, short_len: int, first_s: float, 
     for th in threads:
         th.join()
     short_ttfts = [res[f"short{i}"].ttft for i in range(shorts)]
+    long = res["long"]
+    res["window"] = (t0 + long.arrival, t0 + long.arrival + long.ttft)
     return {
         "long_ttft_s": res["long"].ttft,
         "short_ttft_p50_s": H.percentile(short_ttfts, 50),
         "short_ttft_max_s": max(short_ttfts),
         "short_latency_max_s": max(res[f"short{i}"].latency for i in range(shorts)),
     }, res
+
+
+def where_time_goes(trace: Path, window: tuple[float, float], short_len: int) -> dict:
+    """From a server's step trace (``SGLANG_KDA_STEP_TRACE``): the forward steps that started
+    while the long prompt prefilled (``window``, ``time.perf_counter``), their time against the
+    scheduler's time between them, and the long prompt's slices (a slice past ``short_len``
+    tokens is the long prompt's) alone or beside other work."""
+    rows = steps.steps_within(steps.read_steps(trace), *window)
+    out = {"steps": len(rows), "forward_s": 0.0, "long_steps": 0, "long_tokens": 0,
+           "beside_steps": 0, "beside_tokens": 0, "beside_forward_s": 0.0}  # fmt: skip
+    for r in rows:
+        dt = r["t1"] - r["t0"]
+        out["forward_s"] += dt
+        shape = steps.row_shape(r)
+        mine = [s.extend for s in shape.slices if s.prefix + s.extend > short_len]
+        if not mine:
+            continue
+        out["long_steps"] += 1
+        out["long_tokens"] += mine[0]
+        if shape.decode_ctx or len(shape.slices) > 1:
+            out["beside_steps"] += 1
+            out["beside_tokens"] += mine[0]
+            out["beside_forward_s"] += dt
+    out["between_steps_s"] = window[1] - window[0] - out["forward_s"]
+    return out
 
 
 def _gaps_over(r, t0: float, t1: float) -> list[float]:
@@ -113,6 +148,28 @@ def run_decode(server, prompt_len: int, streams: int, stream_out: int):
     return out
 
 
+def _median_rows(rows: list[dict], names: list[str]) -> list[dict]:
+    """One row per configuration: the median of each number over the repeats, and ``x_stock``:
+    the median over repeats of its ratio to stock's row of the same repeat (run minutes apart on
+    the same machine, so a slow spell of the machine divides out)."""
+    out = []
+    for name in names:
+        mine = [r for r in rows if r["config"] == name]
+        row: dict = {"config": name, "repeats": len(mine)}
+        for k, v in mine[0].items():
+            if k in ("config", "rep") or not isinstance(v, (int, float)):
+                continue
+            row[k] = statistics.median(r[k] for r in mine)
+        out.append(row)
+    return out
+
+
+def _ratio(rows: list[dict], name: str, key: str) -> float:
+    """Median over repeats of ``name``'s ``key`` over stock's in the same repeat."""
+    base = {r["rep"]: r[key] for r in rows if r["config"] == "stock"}
+    return statistics.median(r[key] / base[r["rep"]] for r in rows if r["config"] == name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6,000-token long prompt, 3,000 decode")
@@ -125,78 +182,127 @@ def main() -> None:
         help="an extra configuration (launcher flags); repeatable",
     )
     ap.add_argument("--workloads", default="hol,decode")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each workload per server")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="step-trace each server; the hol rows get where the long prompt's time went",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     configs = {"stock": ["--kda-policy", "stock"], "kda": []}
     for c in args.config:
         name, _, flags = c.partition("=")
         configs[name] = shlex.split(flags)
+    names = list(configs)
     long_len, dec_len = (6_000, 3_000) if args.quick else (24_000, 6_000)
     workloads = args.workloads.split(",")
     model = H.tiny_model_dir()
     args.out.mkdir(parents=True, exist_ok=True)
     rows_hol, rows_dec = [], []
     logs = Path(tempfile.mkdtemp(prefix="hol-logs-"))
-    for name, flags in configs.items():
-        extra = ["--chunked-prefill-size", str(args.chunk), *flags]
-        with H.launch(model, log=logs / f"{name}.log", name=name, extra=extra) as srv:
-            if "hol" in workloads:
-                row, _ = run_hol(srv, long_len, 4, 80, 1.0, 0.5)
-                rows_hol.append({"config": name, **row})
-                print(f"[{name}] hol: {row}", flush=True)
-            if "decode" in workloads:
-                row = run_decode(srv, dec_len, 4, 400 if not args.quick else 200)
-                rows_dec.append({"config": name, **row})
-                print(f"[{name}] decode: {row}", flush=True)
+    print(f"server logs and step traces: {logs}", flush=True)
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name, flags in configs.items():  # all up at once, so repeats interleave
+            extra = ["--chunked-prefill-size", str(args.chunk), *flags]
+            env = {steps.TRACE_ENV: str(logs / f"{name}.steps.jsonl")} if args.trace else None
+            log = logs / f"{name}.log"
+            servers[name] = stack.enter_context(
+                H.launch(model, log=log, name=name, extra=extra, env=env)
+            )
+        for rep in range(args.repeat):
+            for name, srv in servers.items():
+                if "hol" in workloads:
+                    row, res = run_hol(srv, long_len, 4, 80, 1.0, 0.5)
+                    if args.trace:
+                        trace = logs / f"{name}.steps.jsonl"
+                        row.update(where_time_goes(trace, res["window"], 200))
+                    rows_hol.append({"config": name, "rep": rep, **row})
+                    print(f"[{name}] hol {rep + 1}/{args.repeat}: {_fmt(row)}", flush=True)
+                if "decode" in workloads:
+                    row = run_decode(srv, dec_len, 4, 400 if not args.quick else 200)
+                    rows_dec.append({"config": name, "rep": rep, **row})
+                    print(f"[{name}] decode {rep + 1}/{args.repeat}: {_fmt(row)}", flush=True)
     lines = [f"# Head-of-line and decode interference (chunk {args.chunk})", ""]
     if rows_hol:
-        H.write_csv(args.out / "hol.csv", rows_hol, digits=4)
-        base = rows_hol[0]
+        H.write_csv(args.out / "hol_runs.csv", rows_hol, digits=4)
+        med = _median_rows(rows_hol, names)
+        H.write_csv(args.out / "hol.csv", med, digits=4)
         lines += [
-            f"{long_len:,}-token prompt, then four 80-token prompts from 1 s, 0.5 s apart:",
+            f"{long_len:,}-token prompt, then four 80-token prompts from 1 s, 0.5 s apart "
+            f"(medians of {args.repeat} interleaved runs; x stock: median of each run's ratio to "
+            "the stock run beside it):",
             "",
             "| config | long TTFT (s) | x stock | short TTFT p50 / max (s) | short latency max |",
             "|---|---|---|---|---|",
         ]
-        for r in rows_hol:
+        for r in med:
             lines.append(
                 f"| {r['config']} | {r['long_ttft_s']:.2f} | "
-                f"{r['long_ttft_s'] / base['long_ttft_s']:.2f} | {r['short_ttft_p50_s']:.3f} / "
-                f"{r['short_ttft_max_s']:.3f} | {r['short_latency_max_s']:.3f} |"
+                f"{_ratio(rows_hol, r['config'], 'long_ttft_s'):.2f} | "
+                f"{r['short_ttft_p50_s']:.3f} / {r['short_ttft_max_s']:.3f} | "
+                f"{r['short_latency_max_s']:.3f} |"
             )
+        if args.trace:
+            lines += [
+                "",
+                "Where the long prompt's time went (step traces, medians): forward steps and the "
+                "scheduler's time between them; steps carrying a long slice beside other work.",
+                "",
+                "| config | steps | forward (s) | between steps (s) | long slices beside other "
+                "work: steps, tokens, forward (s) |",
+                "|---|---|---|---|---|",
+            ]
+            for r in med:
+                lines.append(
+                    f"| {r['config']} | {r['steps']:.0f} | {r['forward_s']:.2f} | "
+                    f"{r['between_steps_s']:.2f} | {r['beside_steps']:.0f}, "
+                    f"{r['beside_tokens']:.0f}, {r['beside_forward_s']:.2f} |"
+                )
         plt = H.pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        names = [r["config"] for r in rows_hol]
-        ax.bar(names, [r["short_ttft_max_s"] for r in rows_hol], label="short TTFT max")
-        ax.plot(names, [r["long_ttft_s"] for r in rows_hol], "ko", label="long TTFT")
-        ax.set_ylabel("seconds")
+        ax.bar(names, [r["short_ttft_max_s"] for r in med], label="short TTFT max")
+        ax.plot(names, [r["long_ttft_s"] for r in med], "ko", label="long TTFT")
+        ax.set_ylabel("seconds (median of runs)")
         ax.set_yscale("log")
         ax.legend()
         ax.set_title(f"{long_len:,}-token prompt + 4 short prompts (chunk {args.chunk})")
         H.save_png(fig, args.out / "hol.png")
     if rows_dec:
-        H.write_csv(args.out / "decode.csv", rows_dec, digits=4)
+        H.write_csv(args.out / "decode_runs.csv", rows_dec, digits=4)
+        med = _median_rows(rows_dec, names)
+        H.write_csv(args.out / "decode.csv", med, digits=4)
+        met = {n: sum(bool(r["deadline_met"]) for r in rows_dec if r["config"] == n) for n in names}
         lines += [
             "",
             f"4 decode streams, then a {dec_len:,}-token prompt (server's default deadline; then "
-            "again with a deadline of 1.5x its TTFT alone):",
+            f"again with a deadline of 1.5x its TTFT alone); medians of {args.repeat} runs, the "
+            "ratios per run:",
             "",
             "| config | decode ITL p99 alone / during (ms) | x | prompt TTFT alone / with "
             "decode (s) | x | with 1.5x deadline: TTFT (s), ITL p99 (ms), met |",
             "|---|---|---|---|---|---|",
         ]
-        for r in rows_dec:
+        for r in med:
+            runs = [x for x in rows_dec if x["config"] == r["config"]]
+            itl_x = statistics.median(
+                x["decode_itl_p99_during_ms"] / x["decode_itl_p99_alone_ms"] for x in runs
+            )
+            ttft_x = statistics.median(x["long_ttft_s"] / x["long_ttft_alone_s"] for x in runs)
             lines.append(
                 f"| {r['config']} | {r['decode_itl_p99_alone_ms']:.1f} / "
-                f"{r['decode_itl_p99_during_ms']:.1f} | "
-                f"{r['decode_itl_p99_during_ms'] / r['decode_itl_p99_alone_ms']:.2f} | "
-                f"{r['long_ttft_alone_s']:.2f} / {r['long_ttft_s']:.2f} | "
-                f"{r['long_ttft_s'] / r['long_ttft_alone_s']:.2f} | "
+                f"{r['decode_itl_p99_during_ms']:.1f} | {itl_x:.2f} | "
+                f"{r['long_ttft_alone_s']:.2f} / {r['long_ttft_s']:.2f} | {ttft_x:.2f} | "
                 f"{r['long_ttft_deadline_s']:.2f}, {r['decode_itl_p99_during_deadline_ms']:.1f}, "
-                f"{r['deadline_met']} |"
+                f"{met[r['config']]} of {len(runs)} |"
             )
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _fmt(row: dict) -> str:
+    return ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def test_round_budget_defaults_to_2x_decode_step_at_least_50_ms():
     assert round_budget(MODEL, DECODE, fixed) == 0.05
 
 
+def test_the_schedulers_own_time_per_round_comes_out_of_the_round_budget():
+    """A decode token waits for the scheduler between steps as well as for the step: with 6 ms
+    of it measured, a 50 ms target leaves the step 44 ms; never less than half the target."""
+    from sglang_kda.policy.budget import with_overhead
+
+    cfg = BudgetConfig()
+    assert with_overhead(cfg, None) is cfg
+    assert round_budget(MODEL, DECODE, with_overhead(cfg, 0.006)) == pytest.approx(0.044)
+    fixed = with_overhead(BudgetConfig(itl_target_s=0.05), 0.006)
+    assert round_budget(MODEL, DECODE, fixed) == pytest.approx(0.044)
+    assert round_budget(MODEL, DECODE, with_overhead(cfg, 0.2)) == pytest.approx(0.025)
+    with pytest.raises(ValueError, match="overhead_s"):
+        BudgetConfig(overhead_s=-1.0)
+
+
 @settings(max_examples=300)
 @given(
     done=st.integers(0, 100_000),

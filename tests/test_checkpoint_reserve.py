@@ -19,9 +19,10 @@ def _req(n_tokens, protected=0, finished=False):
     )
 
 
-def _tree(free):
+def _tree(free, size=0):
     alloc = SimpleNamespace(available_size=lambda: free)
-    return SimpleNamespace(disable=False, req_to_token_pool=SimpleNamespace(mamba_allocator=alloc))
+    pool = SimpleNamespace(mamba_allocator=alloc, mamba_pool=SimpleNamespace(size=size))
+    return SimpleNamespace(disable=False, req_to_token_pool=pool)
 
 
 def _cap(prefix, extend, every=64):
@@ -58,4 +59,11 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
     calls.clear()
     assert reserve_slots(_tree(100), need, 1.0) == 0
     assert reserve_slots(_tree(0), need, None) == 0  # LRU: unchanged
+    assert calls == []
+    # a full 256-slot pool: the walk frees an eighth of it beyond the need, so the next ~8
+    # steps of 4 checkpoints find free slots and walk nothing
+    assert reserve_slots(_tree(0, size=256), 4, 1.0) == 4 + 256 // checkpoints.EVICT_HEADROOM
+    assert calls == [36]
+    calls.clear()
+    assert reserve_slots(_tree(32, size=256), 4, 1.0) == 0
     assert calls == []

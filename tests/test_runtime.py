@@ -176,6 +176,24 @@ def test_step_times_stay_with_their_batch_when_the_scheduler_runs_ahead():
     assert clock.finished(object(), 21.0) is None  # never launched here
 
 
+def test_the_clock_averages_the_schedulers_time_between_a_result_and_the_next_launch():
+    """Gaps up to GAP_MAX_S are the scheduler's own work per round; a longer one is idling (no
+    request), and a launch ahead of the previous result (overlap) hides it: 0."""
+    clock = rt.StepClock()
+    assert clock.gap_s is None
+    a, b, c, d = object(), object(), object(), object()
+    clock.launched(a, 10.0, None)
+    assert clock.gap_s is None  # nothing finished before it
+    clock.finished(a, 10.050)
+    clock.launched(b, 10.056, None)
+    assert clock.gap_s == pytest.approx(0.006)
+    clock.finished(b, 10.100)
+    clock.launched(c, 12.0, None)  # idle for 1.9 s: not overhead
+    assert clock.gap_s == pytest.approx(0.006)
+    clock.launched(d, 12.01, None)  # overlap: launched while c still runs
+    assert clock.gap_s == pytest.approx(0.9 * 0.006)
+
+
 def test_the_clock_forgets_steps_whose_result_never_came():
     clock = rt.StepClock()
     keys = [object() for _ in range(rt.MAX_PENDING + 3)]

@@ -82,20 +82,31 @@ def planned_checkpoints(
     return out
 
 
+EVICT_HEADROOM = 8  # an eviction walk frees 1/EVICT_HEADROOM of the state pool beyond the need
+
+
 def reserve_slots(tree_cache, need: int, alpha: Optional[float]) -> int:
-    """Frees, in one :func:`evict_states` call, the state slots ``need`` new checkpoints lack;
-    returns how many states went. Nothing under SGLang's LRU (``alpha`` None: its walk is cheap
-    per call, and :func:`write_checkpoint_slot` evicts one at a time as before).
+    """Frees, in one :func:`evict_states` call, the state slots ``need`` new checkpoints lack,
+    plus a headroom of ``1 / EVICT_HEADROOM`` of the state pool (the lowest-scored states); returns
+    how many states went. Nothing under SGLang's LRU (``alpha`` None: its walk is cheap per call,
+    and :func:`write_checkpoint_slot` evicts one at a time as before).
 
     Why: the rule's walk is O(held states x path length). Run once per checkpoint, a 65,536-token
     prompt at chunk 4096 spent 41% of the scheduler's samples in it once the 256-slot pool was
     full (64 checkpoints per round), and rounds' non-attention time grew from ~0.5 s to ~5 s
-    between 16k and 56k tokens of context; once per prefill step it is one walk per round.
+    between 16k and 56k tokens of context; once per prefill step it is one walk per round, and
+    still 5.9% of the scheduler's samples for a 24,000-token prompt at chunk 256 (4 checkpoints
+    a step, a walk every step once the pool is full). With the headroom (32 of 256 slots) a walk
+    runs every ~8 such steps; the pool keeps its 7/8 best states in between.
     """
     if alpha is None or need <= 0:
         return 0
-    short = need - int(tree_cache.req_to_token_pool.mamba_allocator.available_size())
-    return int(evict_states(tree_cache, short, alpha)) if short > 0 else 0
+    pool = tree_cache.req_to_token_pool
+    short = need - int(pool.mamba_allocator.available_size())
+    if short <= 0:
+        return 0
+    size = int(getattr(getattr(pool, "mamba_pool", None), "size", 0) or 0)
+    return int(evict_states(tree_cache, short + size // EVICT_HEADROOM, alpha))
 
 
 _TRACKED = ("mamba_last_track_seqlen", "mamba_prev_track_seqlen")

@@ -6,7 +6,7 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
 * **Round budget** (:func:`round_budget`): ``--kda-itl-target-ms``, or by default the larger of
   50 ms and 2x the predicted decode-only step of the running batch (an absolute inter-token
   latency users accept, and room for a prefill slice where decode is slow; docs/defaults.md
-  has the measured trade-off).
+  has the measured trade-off), less the scheduler's measured time between steps.
 * **Deadlines** (:func:`deadline_of`): every prefill must finish by
   ``arrival + ttft_deadline + per_1k * prompt_tokens / 1000`` (server defaults), or
   ``arrival + ttft_deadline_ms`` given with the request.
@@ -76,6 +76,7 @@ class BudgetConfig:
     max_slice: int = 4096
     safety: float = 1.2
     pace_every: int = 0
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
@@ -84,6 +85,8 @@ class BudgetConfig:
             raise ValueError("itl_target_s must be positive")
         if self.pace_every < 0:
             raise ValueError("pace_every must be >= 0")
+        if self.overhead_s < 0:
+            raise ValueError("overhead_s must be >= 0")
 
 
 @dataclass
@@ -133,6 +136,14 @@ def with_margin(cfg: BudgetConfig, error: float | None) -> BudgetConfig:
     return cfg if safety == cfg.safety else replace(cfg, safety=safety)
 
 
+def with_overhead(cfg: BudgetConfig, overhead_s: float | None) -> BudgetConfig:
+    """``cfg`` with the scheduler's measured time per round outside the step (``None``: not
+    measured yet, ``cfg`` as it is)."""
+    if overhead_s is None or overhead_s == cfg.overhead_s:
+        return cfg
+    return replace(cfg, overhead_s=max(0.0, overhead_s))
+
+
 def deadline_of(
     arrival: float, prompt_tokens: int, cfg: BudgetConfig, override_s: float | None = None
 ) -> float:
@@ -143,10 +154,15 @@ def deadline_of(
 
 
 def round_budget(model: CostModel, decode_ctx: Sequence[int], cfg: BudgetConfig) -> float:
-    """The time budget of a round with these decode tokens running."""
+    """The time budget of a round's step with these decode tokens running: the inter-token
+    target (``itl_target_s``, else ``itl_factor`` x the decode-only step, at least
+    ``itl_floor_s``) less the scheduler's own time per round (``overhead_s``), which a decode token
+    waits for as well; at least half the target."""
     if cfg.itl_target_s is not None:
-        return cfg.itl_target_s
-    return max(cfg.itl_floor_s, cfg.itl_factor * model.predict(BatchShape.of(decode_ctx)))
+        target = cfg.itl_target_s
+    else:
+        target = max(cfg.itl_floor_s, cfg.itl_factor * model.predict(BatchShape.of(decode_ctx)))
+    return max(target / 2, target - cfg.overhead_s)
 
 
 def alone_time(model: CostModel, p: Prefill, cfg: BudgetConfig) -> float:

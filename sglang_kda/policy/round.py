@@ -170,20 +170,23 @@ class RoundPlanner:
         queue: Iterable[tuple[str, int]],
         inflight: Optional[str],
         error: Optional[float] = None,
+        overhead: Optional[float] = None,
     ) -> Optional[Decision]:
         """Plan the round. ``queue``: (rid, prompt tokens done) of the in-flight request and
         every waiting one; prefills no longer queued leave the book (aborted). ``error``: the
-        cost model's recent relative error (raises the deadline margin). ``None``: nothing to
-        prefill; the scheduler runs as upstream does."""
+        cost model's recent relative error (raises the deadline margin). ``overhead``: the
+        scheduler's measured time per round outside the step (comes out of the round budget).
+        ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
         present = dict(queue)
         for rid in [r for r in book.live if r not in present]:
             book.drop(rid)
         for rid, done in present.items():
             book.progress(rid, done)
+        cfg = budget_mod.with_overhead(budget_mod.with_margin(self.cfg, error), overhead)
         plan = budget_mod.plan_round(
             model,
-            budget_mod.with_margin(self.cfg, error),
+            cfg,
             now,
             decode_ctx,
             book.pending(present),
@@ -203,7 +206,7 @@ class RoundPlanner:
         chunk, keep, cap = round_tokens(plan, self.cfg.max_slice, inflight is not None)
         if inflight is not None and plan.mode == "share" and keep is not None:
             keep = cap = self._slice_beside_shorts(
-                model, decode_ctx, inflight, present, chunk, keep
+                model, cfg, decode_ctx, inflight, present, chunk, keep
             )
         head = plan.rid if inflight is None else None
         return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
@@ -211,6 +214,7 @@ class RoundPlanner:
     def _slice_beside_shorts(
         self,
         model,
+        cfg: BudgetConfig,
         decode_ctx: Sequence[int],
         inflight: str,
         present: dict,
@@ -224,7 +228,7 @@ class RoundPlanner:
         if long is None:
             return tokens
         waiting = [self.book.live[r] for r in present if r != inflight and r in self.book.live]
-        grid = self.cfg.grid
+        grid = cfg.grid
         first = min((long.done // grid + 1) * grid - long.done, long.remaining)
         # the most short prompts that could enter beside it (the long prompt at its smallest)
         room = make_room(
@@ -234,7 +238,7 @@ class RoundPlanner:
         if not room.admitted:
             return tokens
         shorts = tuple(Slice(waiting[i].done, waiting[i].remaining) for i in room.admitted)
-        budget_s = budget_mod.round_budget(model, decode_ctx, self.cfg)
+        budget_s = budget_mod.round_budget(model, decode_ctx, cfg)
 
         def cost(n: int) -> float:
             return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))

@@ -177,6 +177,8 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
 
 # -- step timing ---------------------------------------------------------------------------------
 MAX_PENDING = 8  # steps launched and not yet finished that the clock remembers (overlap: 2)
+GAP_MAX_S = 0.1  # a longer wait between a result and the next launch is idling, not overhead
+GAP_EMA = 0.1  # weight of the newest gap in the clock's average
 
 
 @dataclass
@@ -189,14 +191,25 @@ class StepClock:
     overlap scheduler batch N+1 is launched while batch N still runs, so its time counts from
     N's result (``max(launch, previous result)``); without overlap that is its launch. What the
     caller stamps at launch (``info``: the batch's shape and prefills) comes back with the time.
+
+    ``gap_s``: the average time from a step's result to the next launch (the scheduler's own
+    work each round: building the batch, planning; under the overlap scheduler 0, hidden behind
+    the device), over gaps up to ``GAP_MAX_S``; ``None`` until one was seen. A decode token
+    waits for it as well as for the step, so the round budget leaves it out.
     """
 
     pending: dict = field(default_factory=dict)  # id(key) -> (key, launch time, info)
     last_done: float = -math.inf
+    gap_s: Optional[float] = None
 
     def launched(self, key: Any, start: float, info: Any) -> None:
         if key is None:
             return
+        # launched while an earlier step still runs (overlap): the scheduler's work is hidden
+        gap = 0.0 if self.pending else start - self.last_done
+        if gap <= GAP_MAX_S:
+            gap = max(0.0, gap)
+            self.gap_s = gap if self.gap_s is None else (1 - GAP_EMA) * self.gap_s + GAP_EMA * gap
         self.pending[id(key)] = (key, start, info)
         while len(self.pending) > MAX_PENDING:  # a step whose result never came (aborted run)
             self.pending.pop(next(iter(self.pending)))
@@ -322,7 +335,13 @@ class BudgetRuntime:
         """Plan the round (:meth:`RoundPlanner.decide` with this process's cost model and its
         recent error); ``None``: nothing to prefill, upstream's round runs."""
         dec = self.planner.decide(
-            self.model, now, decode_ctx, queue, inflight=inflight, error=self.fit.error_ema
+            self.model,
+            now,
+            decode_ctx,
+            queue,
+            inflight=inflight,
+            error=self.fit.error_ema,
+            overhead=self.clock.gap_s,
         )
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
@@ -408,6 +427,7 @@ class BudgetRuntime:
             "mode": "serial",
             "plans": "here" if self.leader else "follows TP rank 0",
             "itl_target_ms": (self.cfg.itl_target_s or 0) * 1e3,
+            "round_overhead_ms": None if self.clock.gap_s is None else self.clock.gap_s * 1e3,
             "rounds": dict(self.planner.rounds),
             "deadlines": self.book.stats.as_dict(),
             "live": len(self.book.live),
