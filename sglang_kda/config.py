@@ -258,7 +258,8 @@ class KDAConfig:
         milliseconds(positive=False),
         "ms >= 0",
         "Time budget of a round under the serial budget; `0` = the larger of 50 ms and 2x the "
-        "predicted decode-only step of the running batch (docs/defaults.md says why).",
+        "predicted decode-only step of the running batch (docs/defaults.md says why). The "
+        "scheduler's measured time between steps comes out of it.",
     )
     pace_every: int = flag(
         0,
