@@ -85,6 +85,13 @@ _SCRUBBED_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET")
 # --- Servers -------------------------------------------------------------------------------------
 
 
+PORT_ATTEMPTS = 3  # starts of a server whose port another process took first
+
+
+class PortTaken(RuntimeError):
+    """The server's HTTP port was bound by another process before the server could bind it."""
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the OS picks it)."""
     with socket.socket() as s:
@@ -114,16 +121,24 @@ class Server:
         stop_grace_s: float = 60.0,
     ) -> None:
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
         self.ready_s = math.nan
         self._stop_grace_s = stop_grace_s
-        self._stopped = False
-        cmd = [sys.executable, "-m", "sglang_kda.launch_server", "--port", str(self.port), *args]
         full_env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
         full_env.update(env or {})
-        self._start(cmd, full_env, ready_timeout_s)
+        for attempt in range(PORT_ATTEMPTS):
+            # A port free now can be taken before the server binds it (another server starting
+            # beside this one picks its own internal ports): then start again on a fresh one.
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self._stopped = False
+            cmd = [sys.executable, "-m", "sglang_kda.launch_server", "--port", str(self.port)]
+            try:
+                self._start([*cmd, *args], full_env, ready_timeout_s)
+                return
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
 
     def _start(self, cmd: list[str], env: Optional[Mapping[str, str]], timeout_s: float) -> None:
         """Starts ``cmd`` in its own process group and waits until :meth:`_ready`; stops it and
@@ -135,6 +150,8 @@ class Server:
         try:
             t0 = time.monotonic()
             while time.monotonic() - t0 < timeout_s:
+                if self._port_taken():
+                    raise PortTaken(f"{self.name}: port {self.port} was taken (log {self.log})")
                 if self.proc.poll() is not None:
                     raise RuntimeError(
                         f"{self.name} exited with {self.proc.returncode} (log {self.log}):\n"
@@ -156,6 +173,14 @@ class Server:
 
     def _ready(self) -> bool:
         return requests.get(self.url + "/health_generate", timeout=30).status_code == 200
+
+    def _port_taken(self) -> bool:
+        """The HTTP server could not bind its port (uvicorn logs it and the process lingers)."""
+        try:
+            text = self.log.read_bytes()[-20_000:].decode(errors="replace")
+        except OSError:
+            return False
+        return f"{self.port}): address already in use" in text
 
     def tail(self, n: int = 60) -> str:
         """The last ``n`` lines of the server's output (each cut at 400 characters)."""

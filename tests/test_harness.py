@@ -211,3 +211,31 @@ def test_write_csv_with_given_columns_keeps_their_order(tmp_path):
     path = tmp_path / "c.csv"
     write_csv(path, [{"b": 2, "a": 1}], columns=["a", "b", "c"])
     assert path.read_text().splitlines() == ["a,b,c", "1,2,"]
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_another(monkeypatch, tmp_path):
+    """A port free when picked can be bound by another process first (two servers starting side
+    by side: SGLang picks its own internal ports); uvicorn logs it and the process lingers, so
+    the harness reads its log and starts again on a fresh port instead of timing out."""
+    from sglang_kda import harness
+
+    log = tmp_path / "s.log"
+    probe = harness.Server.__new__(harness.Server)
+    probe.log, probe.port = log, 34787
+    log.write_text("ERROR:    [Errno 98] error while attempting to bind on address "
+                   "('127.0.0.1', 34787): address already in use\n")  # fmt: skip
+    assert probe._port_taken()
+    probe.port = 34788
+    assert not probe._port_taken()
+
+    ports = []
+
+    def start(self, cmd, env, timeout_s):
+        ports.append(self.port)
+        assert cmd[cmd.index("--port") + 1] == str(self.port)
+        if len(ports) == 1:
+            raise harness.PortTaken("taken")
+
+    monkeypatch.setattr(harness.Server, "_start", start)
+    server = harness.Server(["--model-path", "x"], log)
+    assert len(ports) == 2 and server.port == ports[1] and server.url.endswith(str(ports[1]))
