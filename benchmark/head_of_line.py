@@ -68,7 +68,7 @@ def run_hol(server, long_len: int, shorts: int, short_len: int, first_s: float, 
     long = res["long"]
     res["window"] = (t0 + long.arrival, t0 + long.arrival + long.ttft)
     return {
-        "long_ttft_s": res["long"].ttft,
+        "long_ttft_s": long.ttft,
         "short_ttft_p50_s": H.percentile(short_ttfts, 50),
         "short_ttft_max_s": max(short_ttfts),
         "short_latency_max_s": max(res[f"short{i}"].latency for i in range(shorts)),
@@ -152,9 +152,8 @@ def run_decode(server, prompt_len: int, streams: int, stream_out: int):
 
 
 def _median_rows(rows: list[dict], names: list[str]) -> list[dict]:
-    """One row per configuration: the median of each number over the repeats, and ``x_stock``:
-    the median over repeats of its ratio to stock's row of the same repeat (run minutes apart on
-    the same machine, so a slow spell of the machine divides out)."""
+    """One row per configuration: the median of each number over the repeats (ratios to stock
+    are :func:`_ratio`'s, taken run by run)."""
     out = []
     for name in names:
         mine = [r for r in rows if r["config"] == name]
@@ -168,7 +167,8 @@ def _median_rows(rows: list[dict], names: list[str]) -> list[dict]:
 
 
 def _ratio(rows: list[dict], name: str, key: str) -> float:
-    """Median over repeats of ``name``'s ``key`` over stock's in the same repeat."""
+    """Median over repeats of ``name``'s ``key`` over stock's in the same repeat (run minutes
+    apart on the same machine, so a slow spell of the machine divides out)."""
     base = {r["rep"]: r[key] for r in rows if r["config"] == "stock"}
     return statistics.median(r[key] / base[r["rep"]] for r in rows if r["config"] == name)
 
@@ -205,11 +205,12 @@ def main() -> None:
     rows_hol, rows_dec = [], []
     logs = Path(tempfile.mkdtemp(prefix="hol-logs-"))
     print(f"server logs and step traces: {logs}", flush=True)
+    traces = {name: logs / f"{name}.steps.jsonl" for name in names}
     with contextlib.ExitStack() as stack:
         servers = {}
         for name, flags in configs.items():  # all up at once, so repeats interleave
             extra = ["--chunked-prefill-size", str(args.chunk), *flags]
-            env = {steps.TRACE_ENV: str(logs / f"{name}.steps.jsonl")} if args.trace else None
+            env = {steps.TRACE_ENV: str(traces[name])} if args.trace else None
             log = logs / f"{name}.log"
             servers[name] = stack.enter_context(
                 H.launch(model, log=log, name=name, extra=extra, env=env)
@@ -219,8 +220,7 @@ def main() -> None:
                 if "hol" in workloads:
                     row, res = run_hol(srv, long_len, 4, 80, 1.0, 0.5)
                     if args.trace:
-                        trace = logs / f"{name}.steps.jsonl"
-                        row.update(where_time_goes(trace, res["window"], 200))
+                        row.update(where_time_goes(traces[name], res["window"], 200))
                     rows_hol.append({"config": name, "rep": rep, **row})
                     print(f"[{name}] hol {rep + 1}/{args.repeat}: {_fmt(row)}", flush=True)
                 if "decode" in workloads:
