@@ -395,6 +395,30 @@ def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend)
     assert report["tree_states"] == report["counted_states"] == 8 == report["slots_in_use"]
 
 
+def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_factory):
+    """SGLang's ``cache_finished_req`` hands a finished request's slot to the tree and leaves
+    ``mamba_pool_idx`` set; the request stays in the running batch until the next step filters
+    it. The check must not call that slot shared (CI run of 509388a failed on it), and must still
+    catch a running request whose slot the tree holds."""
+    from types import SimpleNamespace
+
+    from sglang_kda.cache.checkpoints import IntegrityError, _mamba_type, integrity_report
+
+    cache, allocator, pool = real_cache_factory("python")
+    node = _insert(cache, allocator, pool, list(range(1, 129)))
+    slot = cache.tree_core.get_component_device_value(node, _mamba_type())
+    assert slot is not None
+
+    def req(done: bool):
+        kv = SimpleNamespace(holds_mamba=True, mamba_pool_idx=slot.view(-1)[0].clone())
+        return SimpleNamespace(kv=kv, finished=lambda: done)
+
+    report = integrity_report(cache, [req(True)], strict=True)
+    assert report["tree_states"] == 1 == report["slots_in_use"]
+    with pytest.raises(IntegrityError, match="live state slots referenced by the tree"):
+        integrity_report(cache, [req(False)], strict=False)
+
+
 @pytest.mark.parametrize("backend", ["python", "rust"])
 def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factory, backend):
     from sglang_kda.cache.checkpoints import (

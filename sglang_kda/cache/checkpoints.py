@@ -255,9 +255,14 @@ def resume_in_flight(tree_cache, req) -> int:
 
 
 def _live_state_slots(reqs: Iterable) -> list[int]:
+    """The state slots live requests hold. A finished request is not live: SGLang's
+    ``cache_finished_req`` hands its slot to the tree (or frees it) but leaves ``mamba_pool_idx``
+    set, and the request stays in the running batch until the next step filters it out."""
     out = []
     for r in reqs:
-        if r is not None and r.kv.holds_mamba and r.kv.mamba_pool_idx is not None:
+        if r is None or r.finished():
+            continue
+        if r.kv.holds_mamba and r.kv.mamba_pool_idx is not None:
             out.append(int(r.kv.mamba_pool_idx))
     return out
 
