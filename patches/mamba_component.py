@@ -67,7 +67,8 @@ def apply(ctx) -> None:
     def cleanup_after_caching_req(self, req, is_finished, *args, **kwargs):
         out = orig_cleanup(self, req, is_finished, *args, **kwargs)
         result = kwargs.get("insert_result", args[0] if args else None)
-        cp.note_insert(self, result, is_finished, cap, alpha)
+        params = kwargs.get("insert_params", args[1] if len(args) > 1 else None)
+        cp.note_insert(self, result, is_finished, cap, alpha, params)
         return out
 
     @functools.wraps(orig_finalize)

@@ -363,7 +363,7 @@ def _insert(cache, allocator, pool, seq):
     value = allocator.alloc(len(seq))
     slot = pool.mamba_allocator.alloc(1)
     res = cache.insert(InsertParams(key=RadixKey(array("q", seq)), value=value, mamba_value=slot))
-    note_state(cache, res.last_device_node)
+    note_state(cache, res.last_device_node, len(seq))
     return res.last_device_node
 
 
@@ -417,6 +417,35 @@ def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_fac
     assert report["tree_states"] == 1 == report["slots_in_use"]
     with pytest.raises(IntegrityError, match="live state slots referenced by the tree"):
         integrity_report(cache, [req(False)], strict=False)
+
+
+@pytest.mark.parametrize("backend", ["python", "rust"])
+def test_real_tree_candidates_do_not_depend_on_the_books_depths(real_cache_factory, backend):
+    """The walk visits states deepest first by the book's depths, one root path per branch;
+    depths and ancestors come from the paths, so forgotten or wrong book depths change nothing."""
+    from sglang_kda.cache.checkpoints import eviction_candidates, state_book
+
+    cache, allocator, pool = real_cache_factory(backend)
+    tokens = list(range(1, 1025))
+    for k in (16, 8, 4, 12, 2):
+        _insert(cache, allocator, pool, tokens[: 64 * k])
+    _insert(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
+    _insert(cache, allocator, pool, list(range(7000, 7320)))  # a second branch at the root
+
+    def view():
+        return sorted((c.depth, c.ancestor_depth) for c in eviction_candidates(cache))
+
+    want = view()
+    assert want == [
+        (128, 0), (256, 128), (320, 0), (500, 256), (512, 256), (768, 512), (1024, 768),
+    ]  # fmt: skip
+    book = state_book(cache)
+    for nid in book.node_ids():
+        book._depth.pop(nid, None)
+    assert view() == want
+    for i, nid in enumerate(book.node_ids()):
+        book._depth[nid] = 10_000 - 7 * i  # wrong, and in insertion order
+    assert view() == want
 
 
 @pytest.mark.parametrize("backend", ["python", "rust"])
@@ -489,3 +518,57 @@ def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_
     pool.mamba_allocator.free(slot)
     pool.mamba_allocator.free(live)
     cache.sanity_check()
+
+
+def _pick_victims_plain(cands, n, alpha, grid=64):
+    """The rule as first written (plain Python, one rescoring per pick): the reference the
+    array version must match pick for pick."""
+    from dataclasses import replace
+
+    from sglang_kda.cache.eviction import scores
+
+    pool = {c.node_id: c for c in cands}
+    out = []
+    while pool and len(out) < n:
+        cs = list(pool.values())
+        sc = scores(cs, alpha, grid)
+        k = min(range(len(cs)), key=lambda i: (sc[i], cs[i].last_access, cs[i].depth))
+        v = cs[k]
+        out.append(v.node_id)
+        del pool[v.node_id]
+        for nid, c in pool.items():
+            if c.ancestor_id == v.node_id:
+                pool[nid] = replace(c, ancestor_id=v.ancestor_id, ancestor_depth=v.ancestor_depth)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 40), st.integers(0, 12), st.integers(0, 1)),
+        min_size=0,
+        max_size=40,
+    ),
+    st.integers(0, 45),
+    st.sampled_from([0.0, 0.5, 1.0, 2.0, 100.0]),
+)
+def test_pick_victims_matches_the_plain_rule(rows, n, alpha):
+    """Random forests of states (each row: grid steps below its parent, a coarse access time
+    with many ties, whether its parent is a state or the root): the same victims in the same
+    order as the plain-Python rule."""
+    cs = []
+    for k, (steps, t, under) in enumerate(rows):
+        parent = cs[(k * 7) % k] if under and k else None
+        base = parent.depth if parent else 0
+        cs.append(
+            Candidate(
+                node_id=100 + k,
+                depth=base + 64 * steps,
+                ancestor_depth=base,
+                last_access=t,
+                nbytes=4096,
+                kda_layers=3,
+                ancestor_id=parent.node_id if parent else None,
+            )
+        )
+    assert pick_victims(cs, n, alpha) == _pick_victims_plain(cs, n, alpha)

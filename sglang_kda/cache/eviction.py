@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
+
+import numpy as np
 
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID  # one serial step of the recurrence
 
@@ -101,26 +103,55 @@ def scores(cands: Sequence[Candidate], alpha: float, grid: int = GRID) -> list[f
 def pick_victims(cands: Iterable[Candidate], n: int, alpha: float, grid: int = GRID) -> list[int]:
     """Up to ``n`` node ids to evict, lowest score first, rescoring after each pick.
 
-    Ties go to the older, then the shallower candidate. A victim's descendants that had it as
-    their nearest state ancestor inherit its ancestor (their saved work grows).
+    Ties go to the older, then the shallower candidate, then the earlier in ``cands``. A victim's
+    descendants that had it as their nearest state ancestor inherit its ancestor (their saved
+    work grows). Array arithmetic: each pick rescans the candidates in numpy, the same float
+    operations as :func:`scores` (a 256-state pool shedding 36 took 44 ms in plain Python).
     """
-    pool = {c.node_id: c for c in cands}
+    cs = list(cands)
+    if not cs or n <= 0:
+        return []
+    ids = [c.node_id for c in cs]
+    index = {nid: i for i, nid in enumerate(ids)}
+    times = np.array([c.last_access for c in cs])
+    depth = np.array([c.depth for c in cs], dtype=np.int64)
+    anc_depth = np.array([c.ancestor_depth for c in cs], dtype=np.int64)
+    anc = np.array([index.get(c.ancestor_id, -1) for c in cs], dtype=np.int64)
+    per = np.array([c.kda_layers for c in cs], dtype=np.int64)
+    nbytes = np.maximum(np.array([c.nbytes for c in cs], dtype=np.int64), 1)
+    # anc: the ancestor's index among the candidates, -1 outside them (the root, or a state
+    # that is not evictable); only a victim, always a candidate, passes its ancestor on.
+    alive = np.ones(len(cs), dtype=bool)
     out: list[int] = []
-    while pool and len(out) < n:
-        cs = list(pool.values())
-        sc = scores(cs, alpha, grid)
-        k = min(range(len(cs)), key=lambda i: (sc[i], cs[i].last_access, cs[i].depth))
-        v = cs[k]
-        out.append(v.node_id)
-        del pool[v.node_id]
-        for nid, c in pool.items():
-            if c.ancestor_id == v.node_id:
-                pool[nid] = replace(c, ancestor_id=v.ancestor_id, ancestor_depth=v.ancestor_depth)
+    while len(out) < n and alive.any():
+        live = np.flatnonzero(alive)
+        t = times[live]
+        lo, hi = t.min(), t.max()
+        span = hi - lo
+        rec = (t - lo) / span if span > 0 else np.ones(len(live))
+        v = np.maximum(depth[live] - anc_depth[live], 0) / grid * per[live] / nbytes[live]
+        vmax = v.max()
+        val = v / vmax if vmax > 0 else np.zeros(len(live))
+        sc = rec + alpha * val
+        pick = np.flatnonzero(sc == sc.min())
+        if len(pick) > 1:
+            pick = pick[t[pick] == t[pick].min()]
+        if len(pick) > 1:
+            d = depth[live][pick]
+            pick = pick[d == d.min()]
+        k = int(live[pick[0]])
+        out.append(ids[k])
+        alive[k] = False
+        heirs = alive & (anc == k)
+        anc_depth[heirs] = anc_depth[k]
+        anc[heirs] = anc[k]
     return out
 
 
 class StateBook:
-    """Tree nodes known to hold a KDA state, with the tick of their last insert or hit.
+    """Tree nodes known to hold a KDA state, with the tick of their last insert or hit and, once
+    known, their depth (tokens from the root; a node keeps it for life: SGLang's split gives the
+    new parent the head of the key and leaves the child, which holds the state, its end).
 
     Entries may go stale (SGLang evicts states itself under allocation pressure); the wiring
     checks each against the tree before use and :meth:`forget`\\ s the dead ones.
@@ -129,12 +160,23 @@ class StateBook:
     def __init__(self) -> None:
         self._clock = itertools.count(1)
         self._last: dict[int, int] = {}
+        self._depth: dict[int, int] = {}
 
-    def touch(self, node_id: int) -> None:
+    def touch(self, node_id: int, depth: Optional[int] = None) -> None:
         self._last[int(node_id)] = next(self._clock)
+        if depth is not None:
+            self._depth[int(node_id)] = int(depth)
+
+    def set_depth(self, node_id: int, depth: int) -> None:
+        if int(node_id) in self._last:
+            self._depth[int(node_id)] = int(depth)
+
+    def depth(self, node_id: int) -> Optional[int]:
+        return self._depth.get(int(node_id))
 
     def forget(self, node_id: int) -> None:
         self._last.pop(int(node_id), None)
+        self._depth.pop(int(node_id), None)
 
     def last_access(self, node_id: int) -> Optional[int]:
         return self._last.get(int(node_id))
@@ -144,6 +186,7 @@ class StateBook:
 
     def clear(self) -> None:
         self._last.clear()
+        self._depth.clear()
 
     def __len__(self) -> int:
         return len(self._last)
