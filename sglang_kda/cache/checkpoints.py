@@ -91,7 +91,8 @@ def reserve_slots(tree_cache, need: int, alpha: Optional[float]) -> int:
     how many states went. Nothing under SGLang's LRU (``alpha`` None: its walk is cheap per call,
     and :func:`write_checkpoint_slot` evicts one at a time as before).
 
-    Why: the rule's walk is O(held states x path length). Run once per checkpoint, a 65,536-token
+    Why: the rule's walk touches every held state (and one root path per branch, see
+    :func:`eviction_candidates`). Run once per checkpoint, a 65,536-token
     prompt at chunk 4096 spent 41% of the scheduler's samples in it once the 256-slot pool was
     full (64 checkpoints per round), and rounds' non-attention time grew from ~0.5 s to ~5 s
     between 16k and 56k tokens of context; once per prefill step it is one walk per round, and
