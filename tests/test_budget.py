@@ -100,6 +100,38 @@ def test_the_schedulers_own_time_per_round_comes_out_of_the_round_budget():
         BudgetConfig(overhead_s=-1.0)
 
 
+def test_a_slow_spell_shrinks_the_slice_beside_decode():
+    """Steps running 1.6x slower than the model: the round budget (in the model's time) is
+    divided by it, so the slice planned beside decode is shorter and its predicted time times
+    the slowness still fits the target; the planner compares a shared round's time against the
+    budget it planned times the same factor."""
+    from sglang_kda.policy.budget import with_slow
+    from sglang_kda.policy.round import RoundPlanner
+
+    cfg = BudgetConfig()
+    assert with_slow(cfg, None) is cfg and with_slow(cfg, 0.7).slow == 1.0
+    with pytest.raises(ValueError, match="slow"):
+        BudgetConfig(slow=0.5)
+    base = round_budget(MODEL, DECODE, cfg)
+    assert round_budget(MODEL, DECODE, with_slow(cfg, 1.6)) == pytest.approx(base / 1.6)
+    p = [Prefill("p", 1e9, 0, 20_000)]
+    calm = plan_round(MODEL, cfg, 0.0, DECODE, p)
+    spell = plan_round(MODEL, with_slow(cfg, 1.6), 0.0, DECODE, p)
+    assert calm.mode == spell.mode == "share"
+    assert spell.tokens < calm.tokens
+    assert spell.predicted_s * 1.6 <= base + 1e-12 < calm.predicted_s * 1.6
+    planner = RoundPlanner(cfg)
+    planner.book.admit(MODEL, "p", 0.0, 20_000)
+    planner.decide(MODEL, 0.0, DECODE, [("p", 0)], None, slow=1.6)
+    assert planner.slow == 1.6
+    plan = planner.last_plan
+    assert plan.mode == "share" and plan.tokens == spell.tokens
+    planner.observed(plan.budget_s * 1.5, slices=True, decode=True)
+    assert not planner.slice_overshoot  # within budget x slowness
+    planner.observed(plan.budget_s * 1.7, slices=True, decode=True)
+    assert planner.slice_overshoot
+
+
 @settings(max_examples=300)
 @given(
     done=st.integers(0, 100_000),

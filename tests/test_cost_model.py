@@ -157,6 +157,31 @@ def test_online_fit_converges_and_reports_drift():
     assert not f.drifting
 
 
+def test_slow_factor_follows_the_last_slice_steps():
+    """The factor is the 0.9 quantile of measured / predicted over the last 32 steps that carried
+    a slice: 1 until 12 were seen, never below 1, at most 2; decode-only steps do not count; a
+    slow spell shows within a few steps and is forgotten 32 slice steps later."""
+    f = OnlineFit(TRUE, refit_every=1 << 30)
+    decode = BatchShape((500, 600), ())
+    sliced = BatchShape((500,), (Slice(1000, 128),))
+    assert f.slow_factor() == 1.0
+    for _ in range(40):
+        f.observe(decode, 5 * TRUE.predict(decode))
+    assert f.slow_factor() == 1.0  # no slice step yet
+    for _ in range(20):
+        f.observe(sliced, 0.8 * TRUE.predict(sliced))
+    assert f.slow_factor() == 1.0  # faster than the model: the budget is not stretched
+    for _ in range(4):
+        f.observe(sliced, 1.5 * TRUE.predict(sliced))
+    assert f.slow_factor() == pytest.approx(1.5)  # 4 of 24 slow: past the 0.9 quantile
+    for _ in range(3):
+        f.observe(sliced, 9.0 * TRUE.predict(sliced))
+    assert f.slow_factor() == 2.0  # capped
+    for _ in range(32):
+        f.observe(sliced, TRUE.predict(sliced))
+    assert f.slow_factor() == pytest.approx(1.0)
+
+
 def test_unseen_feature_keeps_its_prior():
     """Prefill-only steps with no KDA-step variation aside, a feature never seen keeps its
     prior: decode-only steps say nothing about serial KDA chunk steps of slices."""

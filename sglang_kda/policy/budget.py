@@ -65,6 +65,10 @@ class BudgetConfig:
     pace_every: with pacing, at most one round in this many carries an over-budget slice, a
         burst sized by the headroom of the rounds it stands for (0 or 1: no pacing, the
         default). 200 keeps over-budget gaps at 0.5% of decode gaps.
+    overhead_s: the scheduler's own time per round, outside the step (the server measures it).
+    slow: how much slower than the cost model recent steps ran (>= 1; the server's
+        :meth:`~sglang_kda.policy.cost_model.OnlineFit.slow_factor`): a round's predicted step
+        must fit the round budget divided by it.
     """
 
     itl_target_s: float | None = None
@@ -77,6 +81,7 @@ class BudgetConfig:
     safety: float = 1.2
     pace_every: int = 0
     overhead_s: float = 0.0
+    slow: float = 1.0
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
@@ -87,6 +92,8 @@ class BudgetConfig:
             raise ValueError("pace_every must be >= 0")
         if self.overhead_s < 0:
             raise ValueError("overhead_s must be >= 0")
+        if not self.slow >= 1.0:
+            raise ValueError("slow must be >= 1")
 
 
 @dataclass
@@ -144,6 +151,14 @@ def with_overhead(cfg: BudgetConfig, overhead_s: float | None) -> BudgetConfig:
     return replace(cfg, overhead_s=max(0.0, overhead_s))
 
 
+def with_slow(cfg: BudgetConfig, slow: float | None) -> BudgetConfig:
+    """``cfg`` with the steps' measured slowness against the cost model (``None``: as it is)."""
+    if slow is None:
+        return cfg
+    slow = max(1.0, float(slow))
+    return cfg if slow == cfg.slow else replace(cfg, slow=slow)
+
+
 def deadline_of(
     arrival: float, prompt_tokens: int, cfg: BudgetConfig, override_s: float | None = None
 ) -> float:
@@ -157,12 +172,13 @@ def round_budget(model: CostModel, decode_ctx: Sequence[int], cfg: BudgetConfig)
     """The time budget of a round's step with these decode tokens running: the inter-token
     target (``itl_target_s``, else ``itl_factor`` x the decode-only step, at least
     ``itl_floor_s``) less the scheduler's own time per round (``overhead_s``), which a decode token
-    waits for as well; at least half the target."""
+    waits for as well, at least half the target; in the cost model's time, i.e. divided by how
+    much slower than the model the steps now run (``slow``)."""
     if cfg.itl_target_s is not None:
         target = cfg.itl_target_s
     else:
         target = max(cfg.itl_floor_s, cfg.itl_factor * model.predict(BatchShape.of(decode_ctx)))
-    return max(target / 2, target - cfg.overhead_s)
+    return max(target / 2, target - cfg.overhead_s) / cfg.slow
 
 
 def alone_time(model: CostModel, p: Prefill, cfg: BudgetConfig) -> float:

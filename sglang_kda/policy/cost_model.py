@@ -324,6 +324,9 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     return x
 
 
+SLOW_FACTOR_MAX = 2.0  # a spell slower than this is left to the deadline margin
+
+
 @dataclass
 class OnlineFit:
     """Refits a :class:`CostModel` from measured steps; tracks its prediction error.
@@ -335,6 +338,8 @@ class OnlineFit:
     outlier: steps this many times slower or faster than the first fit are left out of the
         refit.
     ridge: weight of the pull toward the current coefficients (in units of one step).
+    ratio_window / ratio_quantile: :meth:`slow_factor` reads this quantile of measured /
+        predicted time over the last ``ratio_window`` steps that carried a prefill slice.
     """
 
     model: CostModel
@@ -350,6 +355,9 @@ class OnlineFit:
     n_observed: int = 0
     error_ema: float | None = None
     last_error: float | None = None
+    ratio_window: int = 32
+    ratio_quantile: float = 0.9
+    slice_ratios: list = field(default_factory=list)
 
     def observe(self, shape: BatchShape, seconds: float) -> float:
         """Record one real step; returns its relative prediction error (before any refit)."""
@@ -360,6 +368,10 @@ class OnlineFit:
         self.last_error = err
         a = self.ema_alpha
         self.error_ema = err if self.error_ema is None else (1 - a) * self.error_ema + a * err
+        if shape.slices:
+            self.slice_ratios.append(seconds / max(pred, 1e-9))
+            if len(self.slice_ratios) > self.ratio_window:
+                del self.slice_ratios[0]
         self.samples_x.append(self.model.features(shape))
         self.samples_y.append(float(seconds))
         if len(self.samples_x) > self.window:
@@ -415,6 +427,19 @@ class OnlineFit:
             coef[4] = coef[3]
         self.model = replace(self.model, coef=Coefficients.from_vector(coef))
         return self.model
+
+    def slow_factor(self, cap: float = SLOW_FACTOR_MAX) -> float:
+        """How much slower than predicted recent steps with a prefill slice ran: the
+        ``ratio_quantile`` of measured / predicted over the last ``ratio_window`` of them, at
+        least 1 and at most ``cap``; 1 until ``min_samples`` were seen.
+
+        The fit follows a window of hundreds of steps; this follows the last few dozen. A round
+        planned against it keeps its budget through a slow spell of the machine (this CPU VM
+        runs some seconds 1.5x slower) and through the steps' own spread around the fit."""
+        if len(self.slice_ratios) < self.min_samples:
+            return 1.0
+        q = float(np.quantile(self.slice_ratios, self.ratio_quantile))
+        return min(max(q, 1.0), cap)
 
     @property
     def drifting(self) -> bool:

@@ -154,6 +154,7 @@ class RoundPlanner:
     book: DeadlineBook = None
     since_slice: int = 0  # rounds with decode and no slice since the last slice (capped)
     slice_overshoot: bool = False  # the last shared round took longer than its budget
+    slow: float = 1.0  # the slowness the last round was planned with (BudgetConfig.slow)
     last_plan: Optional[Plan] = None
     rounds: dict = field(default_factory=dict)
 
@@ -171,11 +172,14 @@ class RoundPlanner:
         inflight: Optional[str],
         error: Optional[float] = None,
         overhead: Optional[float] = None,
+        slow: Optional[float] = None,
     ) -> Optional[Decision]:
         """Plan the round. ``queue``: (rid, prompt tokens done) of the in-flight request and
         every waiting one; prefills no longer queued leave the book (aborted). ``error``: the
         cost model's recent relative error (raises the deadline margin). ``overhead``: the
         scheduler's measured time per round outside the step (comes out of the round budget).
+        ``slow``: how much slower than the cost model recent steps ran (the round budget is
+        divided by it).
         ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
         present = dict(queue)
@@ -184,6 +188,8 @@ class RoundPlanner:
         for rid, done in present.items():
             book.progress(rid, done)
         cfg = budget_mod.with_overhead(budget_mod.with_margin(self.cfg, error), overhead)
+        cfg = budget_mod.with_slow(cfg, slow)
+        self.slow = cfg.slow
         plan = budget_mod.plan_round(
             model,
             cfg,
@@ -253,4 +259,4 @@ class RoundPlanner:
         budget turns pacing on even where the model predicted the slice fits."""
         plan = self.last_plan
         if plan is not None and plan.mode == "share" and slices and decode:
-            self.slice_overshoot = seconds > plan.budget_s
+            self.slice_overshoot = seconds > plan.budget_s * self.slow

@@ -342,6 +342,7 @@ class BudgetRuntime:
             inflight=inflight,
             error=self.fit.error_ema,
             overhead=self.clock.gap_s,
+            slow=self.fit.slow_factor(),
         )
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
@@ -428,6 +429,7 @@ class BudgetRuntime:
             "plans": "here" if self.leader else "follows TP rank 0",
             "itl_target_ms": (self.cfg.itl_target_s or 0) * 1e3,
             "round_overhead_ms": None if self.clock.gap_s is None else self.clock.gap_s * 1e3,
+            "round_slow_factor": self.planner.slow,
             "rounds": dict(self.planner.rounds),
             "deadlines": self.book.stats.as_dict(),
             "live": len(self.book.live),
