@@ -136,6 +136,17 @@ def milliseconds(positive: bool) -> Parser:
     return parse
 
 
+def slowdown(value: object, option: str) -> float:
+    """0 (off) or a finite factor >= 1, from a number or its text."""
+    try:
+        x = float(str(value))
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or not (x == 0 or x >= 1):
+        raise ConfigError(f"{option} must be 0 (off) or a factor >= 1; got {value!r}")
+    return x
+
+
 def eviction_rule(value: object, option: str) -> str:
     """``lru``, ``marconi`` or an alpha >= 0 (see :func:`parse_eviction`), kept as lower text."""
     try:
@@ -271,6 +282,16 @@ class KDAConfig:
         "headroom, while its deadline allows. Over-budget decode gaps stay under 1/N of all "
         "gaps; the cost is up to N rounds of wait for a lone prompt that arrives right after "
         "another's slice, so it is opt-in. `0` = a slice every round.",
+    )
+    prefill_max_slowdown: float = flag(
+        1.75,
+        slowdown,
+        "0 (off) or a factor >= 1",
+        "Under `--kda-budget serial`, a prefill sharing rounds with decode keeps at least 1/N "
+        "of its predicted progress running alone: its slice grows past the round budget when "
+        "that budget would stretch it more (a slow spell, a fixed cost per round near the "
+        "budget), so its time beside decode stays within about N x its time alone and decode "
+        "pays the difference. `0` = the round budget alone decides.",
     )
     ttft_deadline_ms: float = flag(
         10_000.0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,7 +110,7 @@ def test_a_slow_spell_shrinks_the_slice_beside_decode():
     from sglang_kda.policy.budget import with_slow
     from sglang_kda.policy.round import RoundPlanner
 
-    cfg = BudgetConfig()
+    cfg = BudgetConfig(max_slowdown=0)  # the round budget alone, no progress floor
     assert with_slow(cfg, None) is cfg and with_slow(cfg, 0.7).slow == 1.0
     with pytest.raises(ValueError, match="slow"):
         BudgetConfig(slow=0.5)
@@ -258,10 +260,12 @@ def simulate(prefills, decode, cfg, arrivals=(), rounds=20_000, model=MODEL, ord
 
 
 def test_generous_deadline_keeps_decode_at_its_target():
+    """The round budget alone (no progress floor: this model's per-round costs would raise it)."""
+    cfg = replace(CFG, max_slowdown=0)
     p = Prefill("long", deadline=1e9, done=0, total=6000)
-    budget = round_budget(MODEL, DECODE, CFG)
+    budget = round_budget(MODEL, DECODE, cfg)
     step = MODEL.prefill_work(0, 64) + MODEL.coef.per_kda_step * MODEL.kda_layers
-    done_at, log = simulate([p], DECODE, CFG)
+    done_at, log = simulate([p], DECODE, cfg)
     assert "long" in done_at
     assert all(decoded for _, _, decoded in log)  # decode ran every round
     assert max(t for _, t, _ in log) <= budget + step  # overspent by one grid step at most
@@ -525,3 +529,55 @@ def test_the_deadline_counts_from_when_the_tokenizer_manager_took_the_request():
     assert arrival_time(0.0, now, perf_now) == now
     assert arrival_time(perf_now + 5, now, perf_now) == now
     assert arrival_time(perf_now - 700, now, perf_now) == now
+
+
+def test_progress_floor_bounds_a_prompts_slowdown_beside_decode():
+    """When one grid step beside decode already overshoots the round budget (a fixed cost per
+    round near the budget), the budget alone gives the prompt one grid step a round; the floor
+    raises the slice until the round's predicted rate is 1/max_slowdown of the alone rate, so
+    the planned prompt time beside decode stays within max_slowdown x alone."""
+    from sglang_kda.policy.budget import alone_time, progress_floor
+
+    slow_rounds = CostModel(
+        Coefficients(overhead=0.03, per_token=2e-4, per_kda_step=2e-4, per_prefill_round=0.01),
+        kda_layers=3,
+        mla_layers=1,
+    )
+    cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)  # one grid step already overshoots
+    p = Prefill("p", 1e9, 0, 8192)
+    off = replace(cfg, max_slowdown=0)
+    assert progress_floor(slow_rounds, DECODE, p, off) == 0
+    assert plan_round(slow_rounds, off, 0.0, DECODE, [p]).tokens == 64
+    plan = plan_round(slow_rounds, cfg, 0.0, DECODE, [p])
+    floor = progress_floor(slow_rounds, DECODE, p, cfg)
+    assert plan.mode == "share" and plan.tokens == floor > 64 and floor % 64 == 0
+
+    def beside(n: int) -> float:  # predicted seconds to finish p in rounds of n beside decode
+        rounds = -(-p.remaining // n)
+        one = slow_rounds.predict(BatchShape(tuple(DECODE), (Slice(0, n),)))
+        return rounds * one
+
+    alone = alone_time(slow_rounds, p, cfg)
+    assert beside(floor) <= cfg.max_slowdown * alone * 1.05  # the floor's slice meets it
+    assert beside(floor - 64) > cfg.max_slowdown * alone  # and is the shortest that does
+    # a slice the budget already allows is left alone
+    roomy = replace(cfg, itl_target_s=10.0)
+    assert plan_round(slow_rounds, roomy, 0.0, DECODE, [p]).tokens == 1024
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    done=st.integers(0, 50_000),
+    total_extra=st.integers(1, 60_000),
+    factor=st.sampled_from([1.0, 1.5, 1.75, 3.0]),
+    n_decode=st.integers(0, 8),
+)
+def test_progress_floor_is_on_the_grid_and_within_the_chunk(done, total_extra, factor, n_decode):
+    from sglang_kda.policy.budget import progress_floor
+
+    cfg = BudgetConfig(max_slice=4096, max_slowdown=factor)
+    p = Prefill("p", 1e9, done, done + total_extra)
+    n = progress_floor(MODEL, [1000] * n_decode, p, cfg)
+    assert 0 < n <= min(p.remaining, cfg.max_slice)
+    end = done + n
+    assert end == p.total or end % cfg.grid == 0

@@ -69,6 +69,9 @@ class BudgetConfig:
     slow: how much slower than the cost model recent steps ran (>= 1; the server's
         :meth:`~sglang_kda.policy.cost_model.OnlineFit.slow_factor`): a round's predicted step
         must fit the round budget divided by it.
+    max_slowdown: a prefill sharing rounds with decode progresses at least 1/this of its
+        predicted rate running alone (:func:`progress_floor`), whatever the round budget;
+        0: no floor.
     """
 
     itl_target_s: float | None = None
@@ -82,6 +85,7 @@ class BudgetConfig:
     pace_every: int = 0
     overhead_s: float = 0.0
     slow: float = 1.0
+    max_slowdown: float = 1.75
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
@@ -94,6 +98,8 @@ class BudgetConfig:
             raise ValueError("overhead_s must be >= 0")
         if not self.slow >= 1.0:
             raise ValueError("slow must be >= 1")
+        if not (self.max_slowdown == 0 or self.max_slowdown >= 1.0):
+            raise ValueError("max_slowdown must be 0 (off) or >= 1")
 
 
 @dataclass
@@ -237,6 +243,46 @@ def fit_slice(
     return first + lo * grid
 
 
+def progress_floor(model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig) -> int:
+    """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
+    it at ``1 / cfg.max_slowdown`` of its rate running alone (tokens per second, rounds of
+    ``cfg.max_slice``, the scheduler's ``overhead_s`` paid per round in both); 0 without a floor.
+
+    The round budget keeps decode's inter-token time; this keeps the prompt's: where one grid
+    step beside decode already overshoots the budget (a slow spell of the machine, a fixed cost
+    per round larger than the budget allows), the budget alone would shrink the prompt to one
+    grid step a round and stretch it without bound. With the floor its time beside decode stays
+    within about ``max_slowdown`` x its time alone, and decode pays the difference.
+    """
+    if cfg.max_slowdown <= 0 or p.remaining <= 0:
+        return 0
+    rounds_alone = -(-p.remaining // max(1, cfg.max_slice))
+    alone = alone_time(model, p, cfg) + rounds_alone * cfg.overhead_s
+    if alone <= 0:
+        return 0
+    want = p.remaining / alone / cfg.max_slowdown  # tokens per second beside decode
+
+    def rate(n: int) -> float:
+        t = model.predict(BatchShape(tuple(decode_ctx), (Slice(p.done, n),))) + cfg.overhead_s
+        return n / max(t, 1e-12)
+
+    cap = min(p.remaining, cfg.max_slice)
+    first = _first_step(p.done, p.remaining, cfg.grid)
+    if rate(first) >= want:
+        return first
+    if first >= cap or rate(cap) < want:
+        return cap
+    # Rate grows with the slice (fixed costs spread over more tokens): bisect on the grid.
+    lo, hi = 0, max(0, (cap - first - 1) // cfg.grid) + 1  # rate(first + hi * grid) >= want
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if rate(min(cap, first + mid * cfg.grid)) >= want:
+            hi = mid
+        else:
+            lo = mid
+    return min(cap, first + hi * cfg.grid)
+
+
 def _rounds(done: int, remaining: int, s: int, grid: int) -> int:
     """Rounds to prefill ``remaining`` tokens from ``done`` with a chunk budget of ``s`` tokens
     per round, cut as :func:`slice_end` cuts (an upper bound when the last round could take
@@ -368,6 +414,7 @@ def plan_round(
     if not decode_ctx:
         return planned("prefill_only", cfg.max_slice, False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
+    share = max(share, progress_floor(model, decode_ctx, head, cfg))
     if (
         since_slice is not None
         and cfg.pace_every > 1

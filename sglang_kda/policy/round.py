@@ -229,7 +229,8 @@ class RoundPlanner:
     ) -> int:
         """The in-flight prompt's slice when short requests enter beside it: their prefill is
         charged to the round budget too, so the long slice shrinks (on the grid, to at least the
-        next grid point) until decode + slice + shorts fit the budget."""
+        next grid point and the progress floor, :func:`~sglang_kda.policy.budget.progress_floor`)
+        until decode + slice + shorts fit the budget."""
         long = self.book.live.get(inflight)
         if long is None:
             return tokens
@@ -249,9 +250,11 @@ class RoundPlanner:
         def cost(n: int) -> float:
             return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
 
+        # never below the slice that keeps the long prompt's progress floor
+        least = max(first, min(tokens, budget_mod.progress_floor(model, decode_ctx, long, cfg)))
         end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
-        while end - long.done > first and cost(end - long.done) > budget_s:
-            end = max(long.done + first, (end - 1) // grid * grid)
+        while end - long.done > least and cost(end - long.done) > budget_s:
+            end = max(long.done + least, (end - 1) // grid * grid)
         return end - long.done
 
     def observed(self, seconds: float, slices: bool, decode: bool) -> None:

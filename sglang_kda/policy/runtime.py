@@ -158,6 +158,7 @@ def budget_config(kcfg: Any, page_size: int, chunked_prefill_size: int) -> Budge
         grid=grid,
         max_slice=max(grid, chunked_prefill_size // grid * grid),
         pace_every=kcfg.pace_every,
+        max_slowdown=kcfg.prefill_max_slowdown,
     )
 
 
