@@ -243,7 +243,9 @@ def fit_slice(
     return first + lo * grid
 
 
-def progress_floor(model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig) -> int:
+def progress_floor(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig
+) -> int:
     """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
     it at ``1 / cfg.max_slowdown`` of its rate running alone (tokens per second, rounds of
     ``cfg.max_slice``, the scheduler's ``overhead_s`` paid per round in both); 0 without a floor.
