@@ -578,6 +578,7 @@ def test_progress_floor_is_on_the_grid_and_within_the_chunk(done, total_extra, f
     cfg = BudgetConfig(max_slice=4096, max_slowdown=factor)
     p = Prefill("p", 1e9, done, done + total_extra)
     n = progress_floor(MODEL, [1000] * n_decode, p, cfg)
-    assert 0 < n <= min(p.remaining, cfg.max_slice)
+    cap = min(p.remaining, cfg.max_slice)
+    assert 0 < n <= cap
     end = done + n
-    assert end == p.total or end % cfg.grid == 0
+    assert end % cfg.grid == 0 or n == cap  # the whole chunk is cut on the grid by the adder

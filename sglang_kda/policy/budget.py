@@ -247,8 +247,11 @@ def progress_floor(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig
 ) -> int:
     """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
-    it at ``1 / cfg.max_slowdown`` of its rate running alone (tokens per second, rounds of
-    ``cfg.max_slice``, the scheduler's ``overhead_s`` paid per round in both); 0 without a floor.
+    it at ``1 / cfg.max_slowdown`` of its rate running alone here (tokens per second of one
+    ``cfg.max_slice`` round from ``p.done`` with nothing else; the scheduler's ``overhead_s``
+    paid per round in both); 0 without a floor. Every round keeping its local rate keeps the
+    whole prompt within ``max_slowdown`` x its time alone (the rate falls as the context grows,
+    so an average over what is left would let early rounds run slow and late ones pay).
 
     The round budget keeps decode's inter-token time; this keeps the prompt's: where one grid
     step beside decode already overshoots the budget (a slow spell of the machine, a fixed cost
@@ -258,11 +261,11 @@ def progress_floor(
     """
     if cfg.max_slowdown <= 0 or p.remaining <= 0:
         return 0
-    rounds_alone = -(-p.remaining // max(1, cfg.max_slice))
-    alone = alone_time(model, p, cfg) + rounds_alone * cfg.overhead_s
+    big = min(p.remaining, cfg.max_slice)
+    alone = model.predict(BatchShape((), (Slice(p.done, big),))) + cfg.overhead_s
     if alone <= 0:
         return 0
-    want = p.remaining / alone / cfg.max_slowdown  # tokens per second beside decode
+    want = big / alone / cfg.max_slowdown  # tokens per second beside decode
 
     def rate(n: int) -> float:
         t = model.predict(BatchShape(tuple(decode_ctx), (Slice(p.done, n),))) + cfg.overhead_s
