@@ -53,6 +53,8 @@ def test_argparse_is_generated_from_the_registry():
         pytest.param("budget", "fast", id="budget"),
         pytest.param("itl_target_ms", "-1", id="itl-target"),
         pytest.param("pace_every", "x", id="pace-every"),
+        pytest.param("prefill_max_slowdown", "0.5", id="max-slowdown-below-one"),
+        pytest.param("prefill_max_slowdown", "nan", id="max-slowdown-nan"),
         pytest.param("ttft_deadline_ms", "0", id="ttft-deadline-zero"),
         pytest.param("deadline_ms_per_1k_tokens", "inf", id="deadline-per-1k"),
         pytest.param("reject_infeasible", "true", id="reject-infeasible"),
