@@ -242,3 +242,28 @@ def test_fit_ignores_a_few_stalled_steps():
     got = fit(shapes, secs, CostModel(kda_layers=3, mla_layers=1))
     clean = [i for i in range(200) if i % 20]
     assert rel_error(got, [shapes[i] for i in clean], [secs[i] for i in clean]) < 0.05
+
+
+def test_a_decode_only_window_keeps_the_prefill_coefficients():
+    """After a drift cuts the window to its last steps, or in a long decode-only stretch, the
+    window holds fewer than ``min_samples`` steps with a slice: the columns a slice drives
+    (tokens, KDA steps, attention, per prefill round, per slice) keep their values, so a
+    prompt's predicted time follows the prefill steps seen, not a fit of decode noise (the server once priced a
+    6,000-token prompt at 1,105 s that way and ran it without decode)."""
+    rng = random.Random(5)
+    f = OnlineFit(TRUE, refit_every=8, min_samples=8)
+    before = f.model.coef
+    prompt = BatchShape((), (Slice(0, 6000),))
+    for _ in range(200):
+        ctx = tuple(rng.randrange(50, 3000) for _ in range(rng.randrange(1, 6)))
+        shape = BatchShape(ctx, ())
+        f.observe(shape, TRUE.predict(shape) * rng.uniform(0.5, 3.0))  # noisy, some 3x
+    after = f.model.coef
+    held = ("per_token", "per_kda_step", "per_attn_unit", "per_prefill_round", "per_slice")
+    for name in held:
+        assert getattr(after, name) == getattr(before, name), name
+    assert f.model.predict(prompt) < 3 * TRUE.predict(prompt)
+    # with slices in the window again, they are fitted as before
+    for s in _random_shapes(rng, 64):
+        f.observe(s, 2 * TRUE.predict(s))
+    assert f.model.coef.per_prefill_round != before.per_prefill_round

@@ -324,6 +324,9 @@ def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     return x
 
 
+# the columns a prefill slice drives: tokens, KDA steps, attention (+ decode context), per
+# prefill round, per slice
+PREFILL_COLUMNS = (1, 2, 3, 5, 7)
 SLOW_FACTOR_MAX = 2.0  # a spell slower than this is left to the deadline margin
 
 
@@ -401,8 +404,20 @@ class OnlineFit:
         x[:, 3] += x[:, 4]
         x[:, 4] = 0.0
         w = 1.0 / np.maximum(y, 1e-6)
+        # With too few steps that carried a prefill slice in the window (after a drift cut it to
+        # the last steps, or in a long decode-only stretch), the columns a slice drives are held
+        # at their current values: fitted on decode steps alone (where the token, KDA and
+        # attention columns see one token per sequence, one recurrent step and the decode
+        # context, collinear with the per-sequence and per-forward terms) they took values that
+        # priced a 6,000-token prompt at 38-1,105 s instead of 2 s, flagged it infeasible and
+        # ran it without decode for 13-15 rounds (ITL 1.2-1.4 s).
+        y_fit = y
+        if int((x[:, 5] > 0).sum()) < self.min_samples:
+            held = list(PREFILL_COLUMNS)
+            y_fit = y - x[:, held] @ prior[held]
+            x[:, held] = 0.0
         scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # columns of very different size
-        a, b = x * w[:, None] / scale, y * w
+        a, b = x * w[:, None] / scale, y_fit * w
         # Ridge rows pull each coefficient toward the current one: a direction the steps do not
         # excite (decode context vs overhead when every decode batch has about the same
         # context) stays where it was instead of following the noise; a well-excited one
@@ -415,7 +430,7 @@ class OnlineFit:
             return nnls(np.vstack([a[rows], ridge_a]), np.concatenate([b[rows], ridge_b]))
 
         v = solve(np.ones(len(y), dtype=bool))
-        ratio = np.maximum(a @ v, 1e-12)  # predicted / measured
+        ratio = np.maximum(a @ v + (y - y_fit) * w, 1e-12)  # predicted / measured
         off = np.maximum(ratio, 1.0 / ratio)
         keep = off <= self.outlier
         if keep.sum() >= max(len(y) * 3 // 4, k) and not keep.all():
