@@ -248,8 +248,8 @@ def test_a_decode_only_window_keeps_the_prefill_coefficients():
     """After a drift cuts the window to its last steps, or in a long decode-only stretch, the
     window holds fewer than ``min_samples`` steps with a slice: the columns a slice drives
     (tokens, KDA steps, attention, per prefill round, per slice) keep their values, so a
-    prompt's predicted time follows the prefill steps seen, not a fit of decode noise (the server once priced a
-    6,000-token prompt at 1,105 s that way and ran it without decode)."""
+    prompt's predicted time follows the prefill steps seen, not a fit of decode noise (the
+    server once priced a 6,000-token prompt at 1,105 s that way and ran it without decode)."""
     rng = random.Random(5)
     f = OnlineFit(TRUE, refit_every=8, min_samples=8)
     before = f.model.coef
