@@ -261,17 +261,16 @@ def progress_floor(
     """
     if cfg.max_slowdown <= 0 or p.remaining <= 0:
         return 0
-    big = min(p.remaining, cfg.max_slice)
-    alone = model.predict(BatchShape((), (Slice(p.done, big),))) + cfg.overhead_s
+    cap = min(p.remaining, cfg.max_slice)
+    alone = model.predict(BatchShape((), (Slice(p.done, cap),))) + cfg.overhead_s
     if alone <= 0:
         return 0
-    want = big / alone / cfg.max_slowdown  # tokens per second beside decode
+    want = cap / alone / cfg.max_slowdown  # tokens per second beside decode
 
     def rate(n: int) -> float:
         t = model.predict(BatchShape(tuple(decode_ctx), (Slice(p.done, n),))) + cfg.overhead_s
         return n / max(t, 1e-12)
 
-    cap = min(p.remaining, cfg.max_slice)
     first = _first_step(p.done, p.remaining, cfg.grid)
     if rate(first) >= want:
         return first
