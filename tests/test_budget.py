@@ -216,12 +216,15 @@ def test_slices_grow_as_slack_runs_out_up_to_running_alone():
 # -- a small round-by-round simulation of the scheduler using the plan ----------------------
 
 
-def simulate(prefills, decode, cfg, arrivals=(), rounds=20_000, model=MODEL, order_last=()):
+def simulate(
+    prefills, decode, cfg, arrivals=(), rounds=20_000, model=MODEL, order_last=(), interleave=False
+):
     """Run rounds as the scheduler does: the in-flight chunked request first, one unfinished
     chunk per round, short prompts admitted whole with the tokens left. ``arrivals``: (round,
     Prefill) added at the start of that round. ``order_last``: rids the scheduler's own order
-    puts last (adversarial). Returns (finish times by rid, per-round log)."""
-    now, inflight = 0.0, None
+    puts last (adversarial). ``interleave``: count the ``alone`` rounds in a row as
+    ``RoundPlanner`` does (``since_decode``). Returns (finish times by rid, per-round log)."""
+    now, inflight, since_decode = 0.0, None, 0
     live = list(prefills)
     arrivals = sorted(arrivals, key=lambda a: a[0])
     done_at, log = {}, []
@@ -233,7 +236,11 @@ def simulate(prefills, decode, cfg, arrivals=(), rounds=20_000, model=MODEL, ord
         if not live and not arrivals:
             break
         live.sort(key=lambda p: p.rid in order_last)
-        plan = plan_round(model, cfg, now, decode, live, inflight)
+        plan = plan_round(
+            model, cfg, now, decode, live, inflight,
+            since_decode=since_decode if interleave and decode else None,
+        )  # fmt: skip
+        since_decode = since_decode + 1 if plan.mode == "alone" else 0
         slices, left = [], plan.tokens
         if plan.rid is not None:
             head = next(p for p in live if p.rid == plan.rid)
@@ -278,6 +285,39 @@ def test_tight_deadline_is_met_and_decode_still_runs_when_it_can():
     p = Prefill("long", deadline=1.5 * alone * CFG.safety, done=0, total=total)
     done_at, log = simulate([p], DECODE, CFG)
     assert done_at["long"] <= p.deadline
+
+
+@pytest.mark.parametrize("factor", [1.005, 1.015, 1.025])
+def test_a_prompt_that_must_run_alone_still_lets_decode_in(factor):
+    """A deadline no slice with decode every round meets: the prompt runs alone in the largest
+    slices, but the time it has to spare pays for rounds that carry decode, spread evenly
+    (``interleave``), and the deadline is still met. Without the count (``since_decode`` None)
+    decode waits through a long stretch of ``alone`` rounds first, as before."""
+    cfg = replace(CFG, max_slice=512, safety=1.0)  # no hidden margin: the spare is all there is
+    total = 12_000
+    deadline = factor * MODEL.alone_time(0, total, cfg.max_slice)
+    p = Prefill("long", deadline=deadline, done=0, total=total)
+    assert plan_round(MODEL, cfg, 0.0, DECODE, [p]).mode == "alone"
+    done_at, log = simulate([p], DECODE, cfg, interleave=True)
+    assert done_at["long"] <= deadline
+    assert {plan.mode for plan, _, _ in log} <= {"alone", "interleave", "grow"}
+    carried = [i for i, (plan, _, _) in enumerate(log) if plan.mix_decode]
+    n = len(log)
+    assert len(carried) >= 3
+    gaps = [b - a for a, b in zip([-1, *carried], [*carried, n], strict=True)]
+    assert max(gaps) <= 2 * n / len(carried) + 1  # spread, not bunched at the end
+
+    def longest_wait(log):
+        run = best = 0
+        for plan, _, _ in log:
+            run = 0 if plan.mix_decode else run + 1
+            best = max(best, run)
+        return best
+
+    old = Prefill("long", deadline=deadline, done=0, total=total)
+    done_old, log_old = simulate([old], DECODE, cfg)
+    assert done_old["long"] <= deadline
+    assert longest_wait(log) < longest_wait(log_old)
 
 
 @settings(max_examples=15, deadline=None)

@@ -111,6 +111,7 @@ def test_default_keep():
         ("burst", 192, True, (4096, 192, 192)),
         ("prefill_only", 4096, True, (4096, None, 4096)),
         ("alone", 4096, True, (4096, 4096, 4096)),
+        ("interleave", 4096, True, (4096, 4096, 4096)),
         ("share", 64, False, (64, None, 64)),
     ],
 )
@@ -135,6 +136,33 @@ def test_planner_keeps_the_book_in_step_with_the_queue():
     assert dec.keep == dec.cap == dec.plan.tokens and dec.chunk_budget == dec.plan.tokens + 128
     assert planner.rounds == {"prefill_only": 1, "share": 1}
     assert planner.decide(MODEL, 0.4, [30], [], inflight=None) is None
+
+
+def test_planner_lets_decode_into_a_prefill_that_must_run_alone():
+    """The planner counts the ``alone`` rounds in a row; once the prompt's spare time pays for a
+    decode round at the even spacing, a round carries decode (``interleave``) and the count
+    starts over."""
+    cfg = BudgetConfig(grid=GRID, max_slice=256, safety=1.0)
+    planner = RoundPlanner(cfg)
+    alone = MODEL.alone_time(0, 6000, 256)
+    dec_cost = MODEL.decode_cost([30, 30])
+    # spare for about a third of the 24 rounds to carry decode; not enough for every round
+    planner.book.admit(MODEL, "long", 0.0, 6000, override_s=alone + 8.5 * dec_cost)
+    now, done, modes = 0.0, 0, []
+    while done < 6000:
+        inflight = "long" if done else None
+        d = planner.decide(MODEL, now, [30, 30], [("long", done)], inflight=inflight)
+        modes.append(d.plan.mode)
+        assert d.mix_decode == (d.plan.mode != "alone")
+        trailing = len(modes) - len("".join(m[0] for m in modes).rstrip("a"))
+        assert planner.since_decode == trailing  # the alone rounds in a row
+        step = min(256, 6000 - done)
+        batch = [30, 30] if d.mix_decode else []
+        now += MODEL.slice_round(batch) + MODEL.prefill_work(done, done + step)
+        done += step
+    assert now <= alone + 8.5 * dec_cost + 1e-9
+    assert modes[0] == "alone" and "interleave" in modes
+    assert planner.rounds["interleave"] >= 3
 
 
 # -- the simulator runs the same decision ---------------------------------------------------------

@@ -16,7 +16,10 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   takes what the round budget leaves after the decode tokens (``share``). When sharing would miss
   its deadline, its slice grows to the smallest size that still finishes in time with decode
   riding along each round (``grow``); when even the largest slice cannot, the prefill runs alone
-  (``alone``: no decode in the round). With no decode running the prefill takes the largest slice.
+  in the largest slices (``alone``: no decode in the round), except that the time to spare
+  beyond its finish alone still pays for some rounds to carry decode, spread evenly through
+  the rest of its prefill (``interleave``, :func:`interleave_due`; decode waits a few rounds,
+  not the whole prompt). With no decode running the prefill takes the largest slice.
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -48,7 +51,7 @@ from typing import Iterable, Sequence
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
-MODES = ("idle", "prefill_only", "share", "grow", "alone", "pace", "burst")
+MODES = ("idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst")
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,35 @@ def needed_slice(
     return s
 
 
+def interleave_due(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    now: float,
+    cfg: BudgetConfig,
+    since_decode: int,
+) -> bool:
+    """Whether this round of a prefill that must run alone (no slice with decode riding along
+    every round meets its deadline) can still carry the decode tokens.
+
+    The time to spare, ``(deadline - now) / safety`` less the predicted finish alone, pays for
+    ``m = spare // decode cost`` of the ``n`` rounds left (largest slices) to carry decode; they
+    are spread evenly: this round carries it once ``n / m`` rounds have passed without decode
+    (``since_decode``: the rounds planned ``alone`` in a row just before this one). Decode then
+    waits about ``n / m`` rounds instead of the whole prefill, and the prefill's predicted finish
+    stays within its deadline (the spare is recomputed every round from the actual progress).
+    """
+    extra = model.decode_cost(decode_ctx)
+    if extra <= 0:
+        return True
+    spare = (p.deadline - now) / cfg.safety - alone_time(model, p, cfg)
+    m = math.floor(spare / extra)
+    if m < 1:
+        return False
+    n = _rounds(p.done, p.remaining, cfg.max_slice, cfg.grid)
+    return (since_decode + 1) * m >= n
+
+
 def at_risk(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, now: float, cfg: BudgetConfig
 ) -> bool:
@@ -396,12 +428,15 @@ def plan_round(
     inflight: str | None = None,
     since_slice: int | None = None,
     slice_overshoots: bool = False,
+    since_decode: int | None = None,
 ) -> Plan:
     """Plan one round; see the module docstring. ``since_slice``: rounds with decode running
     and no prefill slice (paced, or with no prefill waiting) since the last round that carried
     one (``None``: no pacing; callers may cap it at ``cfg.pace_every``). ``slice_overshoots``: the
     last shared round was observed to overshoot its budget (pacing then applies even where the
-    model predicts the slice fits)."""
+    model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
+    before this one (``None``: a prefill that must run alone never lets decode in,
+    :func:`interleave_due`)."""
     budget = round_budget(model, decode_ctx, cfg)
     pending = [p for p in prefills if p.remaining > 0]
     if not pending:
@@ -441,6 +476,8 @@ def plan_round(
     need = needed_slice(model, decode_ctx, head, now, cfg)
     if need is not None:
         return planned("grow", max(need, share), True)
+    if since_decode is not None and interleave_due(model, decode_ctx, head, now, cfg, since_decode):
+        return planned("interleave", cfg.max_slice, True)
     return planned("alone", cfg.max_slice, False)
 
 

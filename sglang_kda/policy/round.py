@@ -113,8 +113,8 @@ def round_tokens(plan: Plan, max_slice: int, inflight: bool) -> tuple[int, Optio
     plan's tokens, as before. With one, short requests may enter beside it: the in-flight
     request takes exactly its planned tokens (``share``/``grow``/``burst``) and the round's
     budget leaves at least half of ``max_slice`` beside them; with nothing else running
-    (``prefill_only``) it keeps half of the round; when its deadline is at risk (``alone``) it
-    keeps all of it.
+    (``prefill_only``) it keeps half of the round; when its deadline is at risk (``alone``,
+    ``interleave``) it keeps all of it.
     """
     tokens = max(1, plan.tokens)
     if not inflight:
@@ -122,7 +122,7 @@ def round_tokens(plan: Plan, max_slice: int, inflight: bool) -> tuple[int, Optio
     if plan.mode == "prefill_only":
         budget = max(max_slice, tokens)
         return budget, None, budget
-    if plan.mode == "alone":
+    if plan.mode in ("alone", "interleave"):
         return tokens, tokens, tokens
     return max(max_slice, tokens + max_slice // 2), tokens, tokens
 
@@ -154,6 +154,7 @@ class RoundPlanner:
     book: DeadlineBook = None
     since_slice: int = 0  # rounds with decode and no slice since the last slice (capped)
     slice_overshoot: bool = False  # the last shared round took longer than its budget
+    since_decode: int = 0  # rounds planned ``alone`` (decode waiting) in a row
     slow: float = 1.0  # the slowness the last round was planned with (BudgetConfig.slow)
     last_plan: Optional[Plan] = None
     rounds: dict = field(default_factory=dict)
@@ -199,8 +200,10 @@ class RoundPlanner:
             inflight=inflight,
             since_slice=self.since_slice if decode_ctx else None,
             slice_overshoots=self.slice_overshoot,
+            since_decode=self.since_decode if decode_ctx else None,
         )
         self.last_plan = plan
+        self.since_decode = self.since_decode + 1 if plan.mode == "alone" and decode_ctx else 0
         self.since_slice = budget_mod.next_since_slice(
             self.since_slice, plan, bool(decode_ctx), self.cfg
         )

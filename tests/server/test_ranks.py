@@ -37,7 +37,8 @@ VARIANTS = {
 # Prompt 0 (150 tokens, three chunks of 64) twice and prompt 4 (its first 150 tokens + 100 more)
 # all land on the same DP rank under round robin (positions 0, 4, 6); the others on the other.
 ORDER = (0, 1, 2, 3, 0, 3, 4)
-MIXING = ("share", "grow", "alone", "pace", "burst")  # budget modes planned with decode running
+# budget modes planned with decode running
+MIXING = ("share", "grow", "alone", "interleave", "pace", "burst")
 LIVE_PATCHES = {"kda_backend", "mla_cpu", "fused_norm_gate", "schedule_policy", "internal_state"}
 
 
