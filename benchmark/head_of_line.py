@@ -100,6 +100,35 @@ def where_time_goes(trace: Path, window: tuple[float, float], short_len: int) ->
     return out
 
 
+def round_costs(trace: Path, before: tuple[float, float], during: tuple[float, float]) -> dict:
+    """From a server's step trace: a round's time (its step and the scheduler's time until the
+    next step starts, which a decode token waits for too) with decode alone (``before`` the
+    prompt arrived) and with the prompt's slice beside the decode tokens (``during`` its
+    prefill), medians in ms, and the median slice. What any round budget has to work with."""
+    rows = steps.read_steps(trace)
+
+    def rounds(lo, hi):
+        return [
+            (r, (b["t0"] - r["t0"]) * 1e3)
+            for r, b in zip(rows, rows[1:], strict=False)
+            if lo <= r["t0"] <= hi
+        ]
+
+    alone = [ms for r, ms in rounds(*before) if steps.row_shape(r).slices == ()]
+    shared, tokens = [], []
+    for r, ms in rounds(*during):
+        shape = steps.row_shape(r)
+        if shape.decode_ctx and shape.slices:
+            shared.append(ms)
+            tokens.append(max(s.extend for s in shape.slices))
+    med = statistics.median
+    return {
+        "decode_round_ms": med(alone) if alone else float("nan"),
+        "shared_round_ms": med(shared) if shared else float("nan"),
+        "shared_slice_tokens": med(tokens) if tokens else float("nan"),
+    }
+
+
 def _gaps_over(r, t0: float, t1: float) -> list[float]:
     """Inter-token gaps of a stream that overlap ``[t0, t1]`` (a decode stalled for the whole
     prefill is one gap that starts before its end and ends after it)."""
@@ -146,9 +175,10 @@ def run_decode(server, prompt_len: int, streams: int, stream_out: int):
         if not tag:
             before = [x for i in range(streams) for x in res[f"d{i}"].itls(0.3, t_start)]
             out["decode_itl_p99_alone_ms"] = H.percentile(before, 99) * 1e3
+            windows = ((t0 + 0.3, t0 + t_start), (t0 + t_start, t0 + t_end))
     out["deadline_ms"] = deadline_ms
     out["deadline_met"] = out["long_ttft_deadline_s"] * 1e3 <= deadline_ms
-    return out
+    return out, windows
 
 
 def _median_rows(rows: list[dict], names: list[str]) -> list[dict]:
@@ -224,7 +254,9 @@ def main() -> None:
                     rows_hol.append({"config": name, "rep": rep, **row})
                     print(f"[{name}] hol {rep + 1}/{args.repeat}: {_fmt(row)}", flush=True)
                 if "decode" in workloads:
-                    row = run_decode(srv, dec_len, 4, 400 if not args.quick else 200)
+                    row, windows = run_decode(srv, dec_len, 4, 400 if not args.quick else 200)
+                    if args.trace:
+                        row.update(round_costs(traces[name], *windows))
                     rows_dec.append({"config": name, "rep": rep, **row})
                     print(f"[{name}] decode {rep + 1}/{args.repeat}: {_fmt(row)}", flush=True)
     lines = [f"# Head-of-line and decode interference (chunk {args.chunk})", ""]
@@ -303,6 +335,27 @@ def main() -> None:
                 f"{r['long_ttft_deadline_s']:.2f}, {r['decode_itl_p99_during_deadline_ms']:.1f}, "
                 f"{met[r['config']]} of {len(runs)} |"
             )
+        if args.trace:
+            lines += [
+                "",
+                "Rounds (step traces, medians; a round is a step and the scheduler's time until "
+                "the next, which a decode token waits for too): decode alone before the prompt, "
+                "and with the prompt's slice beside the decode tokens during its prefill.",
+                "",
+                "| config | decode-only round (ms) | round with a slice (ms) "
+                "| its slice (tokens) |",
+                "|---|---|---|---|",
+            ]
+
+            def cell(x: float, fmt: str) -> str:
+                return "none" if x != x else format(x, fmt)  # NaN: no such round
+
+            for r in med:
+                lines.append(
+                    f"| {r['config']} | {cell(r['decode_round_ms'], '.1f')} | "
+                    f"{cell(r['shared_round_ms'], '.1f')} | "
+                    f"{cell(r['shared_slice_tokens'], '.0f')} |"
+                )
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
