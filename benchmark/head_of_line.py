@@ -11,7 +11,8 @@ ratios to the stock run of the same turn:
   scheduler's time between them, slices run beside other work.
 * ``decode``: four streaming decode streams, then a 6,000-token prompt; reports decode ITL p99
   while the prompt prefills against decode alone, the prompt's TTFT against its TTFT alone (same
-  server, cache flushed), and whether a per-request deadline of 1.5x alone was met.
+  server, cache flushed), and whether a per-request deadline of 1.5x alone was met; with
+  ``--trace`` also what a round costs with decode alone and with the prompt's slice beside it.
 
 Configurations: ``stock`` (``--kda-policy stock``: SGLang's own scheduling), ``kda`` (the
 launcher's defaults) and any ``--config NAME='flags'`` given. Results:
