@@ -605,6 +605,59 @@ def test_progress_floor_bounds_a_prompts_slowdown_beside_decode():
     assert plan_round(slow_rounds, roomy, 0.0, DECODE, [p]).tokens == 1024
 
 
+def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
+    """With its time alone known, a prompt that ran ahead of ``max_slowdown`` x alone (early
+    rounds with short context fit large slices) spends that lead: the floor drops to the
+    smallest slice that still finishes by arrival + max_slowdown x alone, and the round keeps
+    its budget; a prompt behind that pace keeps the local floor. The floor never rises above
+    the local one."""
+    from sglang_kda.policy.budget import alone_time, progress_floor
+
+    slow_rounds = CostModel(
+        Coefficients(overhead=0.03, per_token=2e-4, per_kda_step=2e-4, per_prefill_round=0.01),
+        kda_layers=3,
+        mla_layers=1,
+    )
+    cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)
+    start = Prefill("p", 1e9, 0, 8192)
+    alone = alone_time(slow_rounds, start, cfg)
+    half = Prefill("p", 1e9, 4096, 8192, arrival=0.0, alone_s=alone)
+    local = progress_floor(slow_rounds, DECODE, half, cfg)  # no clock: the local rate
+    assert local > 64
+    # half the prompt done in a quarter of its time alone: far ahead of the 1.75x pace
+    ahead = progress_floor(slow_rounds, DECODE, half, cfg, now=0.25 * alone)
+    assert ahead < local and ahead % 64 == 0
+    assert plan_round(slow_rounds, cfg, 0.25 * alone, DECODE, [half]).tokens == ahead
+    # half done at 1.5x its time alone: behind the pace, the local floor holds
+    assert progress_floor(slow_rounds, DECODE, half, cfg, now=1.5 * alone) == local
+    # the finish the lowered floor plans still meets the pace (with the safety margin)
+    left = cfg.max_slowdown * alone - 0.25 * alone
+    assert finish_time(slow_rounds, DECODE, half, ahead, cfg) * cfg.safety <= left
+    # admission records the time alone
+    book = DeadlineBook(cfg)
+    q, _ = book.admit(slow_rounds, "q", 5.0, 8192)
+    assert q.alone_s == pytest.approx(alone)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    done=st.integers(0, 40_000),
+    total_extra=st.integers(1, 40_000),
+    elapsed=st.floats(0.0, 5.0),
+    n_decode=st.integers(1, 8),
+)
+def test_the_paced_floor_never_exceeds_the_local_one(done, total_extra, elapsed, n_decode):
+    from sglang_kda.policy.budget import alone_time, progress_floor
+
+    cfg = BudgetConfig(max_slice=4096)
+    p = Prefill("p", 1e9, done, done + total_extra)
+    p.alone_s = alone_time(MODEL, replace(p, done=0), cfg)
+    ctx = [1000] * n_decode
+    local = progress_floor(MODEL, ctx, p, cfg)
+    paced = progress_floor(MODEL, ctx, p, cfg, now=elapsed * p.alone_s)
+    assert 0 < paced <= local
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     done=st.integers(0, 50_000),

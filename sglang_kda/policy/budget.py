@@ -107,13 +107,16 @@ class BudgetConfig:
 
 @dataclass
 class Prefill:
-    """A prompt being prefilled: tokens ``[done, total)`` are left; must finish by ``deadline``."""
+    """A prompt being prefilled: tokens ``[done, total)`` are left; must finish by ``deadline``.
+    ``alone_s``: its predicted time running alone from where it was admitted (``None``: not
+    known; :func:`progress_floor` then holds every round to the local rate)."""
 
     rid: str
     deadline: float
     done: int
     total: int
     arrival: float = 0.0
+    alone_s: float | None = None  # predicted time alone at admission (the progress floor's pace)
 
     @property
     def remaining(self) -> int:
@@ -247,7 +250,11 @@ def fit_slice(
 
 
 def progress_floor(
-    model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    cfg: BudgetConfig,
+    now: float | None = None,
 ) -> int:
     """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
     it at ``1 / cfg.max_slowdown`` of its rate running alone here (tokens per second of one
@@ -261,9 +268,28 @@ def progress_floor(
     per round larger than the budget allows), the budget alone would shrink the prompt to one
     grid step a round and stretch it without bound. With the floor its time beside decode stays
     within about ``max_slowdown`` x its time alone, and decode pays the difference.
+
+    With ``now`` and ``p.alone_s`` the floor counts the time the prompt has banked: rounds that
+    ran faster than the local rate (early ones, where the context is short and the budget holds
+    large slices) pay for later ones running slower. The floor is then the smaller of the local
+    one and the smallest slice that still finishes (with ``cfg.safety``) by ``arrival +
+    max_slowdown x alone_s`` with decode riding along (:func:`needed_slice`); a prompt ahead of
+    that pace keeps the round budget, one behind it the local floor.
     """
     if cfg.max_slowdown <= 0 or p.remaining <= 0:
         return 0
+    local = _local_floor(model, decode_ctx, p, cfg)
+    if now is None or p.alone_s is None or local <= _first_step(p.done, p.remaining, cfg.grid):
+        return local
+    paced = replace(p, deadline=p.arrival + cfg.max_slowdown * p.alone_s)
+    need = needed_slice(model, decode_ctx, paced, now, cfg)
+    return local if need is None else min(local, need)
+
+
+def _local_floor(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig
+) -> int:
+    """:func:`progress_floor` without the banked time: every round keeps the local rate."""
     cap = min(p.remaining, cfg.max_slice)
     alone = model.predict(BatchShape((), (Slice(p.done, cap),))) + cfg.overhead_s
     if alone <= 0:
@@ -453,7 +479,7 @@ def plan_round(
     if not decode_ctx:
         return planned("prefill_only", cfg.max_slice, False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
-    share = max(share, progress_floor(model, decode_ctx, head, cfg))
+    share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
     if (
         since_slice is not None
         and cfg.pace_every > 1
@@ -528,6 +554,7 @@ class DeadlineBook:
         """Track a new prefill; returns it and whether it is infeasible (late even alone)."""
         arrival = now if arrival is None else arrival
         p = Prefill(rid, deadline_of(arrival, total, self.cfg, override_s), done, total, arrival)
+        p.alone_s = alone_time(model, p, self.cfg)
         self.live[rid] = p
         self.stats.admitted += 1
         infeasible = slack(model, p, now, self.cfg) < 0

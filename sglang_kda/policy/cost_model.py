@@ -359,7 +359,7 @@ class OnlineFit:
     error_ema: float | None = None
     last_error: float | None = None
     ratio_window: int = 32
-    ratio_quantile: float = 0.9
+    ratio_quantile: float = 0.99
     slice_ratios: list = field(default_factory=list)
 
     def observe(self, shape: BatchShape, seconds: float) -> float:

@@ -215,7 +215,7 @@ class RoundPlanner:
         chunk, keep, cap = round_tokens(plan, self.cfg.max_slice, inflight is not None)
         if inflight is not None and plan.mode == "share" and keep is not None:
             keep = cap = self._slice_beside_shorts(
-                model, cfg, decode_ctx, inflight, present, chunk, keep
+                model, cfg, now, decode_ctx, inflight, present, chunk, keep
             )
         head = plan.rid if inflight is None else None
         return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
@@ -224,6 +224,7 @@ class RoundPlanner:
         self,
         model,
         cfg: BudgetConfig,
+        now: float,
         decode_ctx: Sequence[int],
         inflight: str,
         present: dict,
@@ -254,7 +255,7 @@ class RoundPlanner:
             return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
 
         # never below the slice that keeps the long prompt's progress floor
-        least = max(first, min(tokens, budget_mod.progress_floor(model, decode_ctx, long, cfg)))
+        least = max(first, min(tokens, budget_mod.progress_floor(model, decode_ctx, long, cfg, now)))
         end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
         while end - long.done > least and cost(end - long.done) > budget_s:
             end = max(long.done + least, (end - 1) // grid * grid)
