@@ -255,7 +255,8 @@ class RoundPlanner:
             return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
 
         # never below the slice that keeps the long prompt's progress floor
-        least = max(first, min(tokens, budget_mod.progress_floor(model, decode_ctx, long, cfg, now)))
+        floor = budget_mod.progress_floor(model, decode_ctx, long, cfg, now)
+        least = max(first, min(tokens, floor))
         end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
         while end - long.done > least and cost(end - long.done) > budget_s:
             end = max(long.done + least, (end - 1) // grid * grid)
