@@ -286,9 +286,7 @@ def progress_floor(
     return local if need is None else min(local, need)
 
 
-def _local_floor(
-    model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig
-) -> int:
+def _local_floor(model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig) -> int:
     """:func:`progress_floor` without the banked time: every round keeps the local rate."""
     cap = min(p.remaining, cfg.max_slice)
     alone = model.predict(BatchShape((), (Slice(p.done, cap),))) + cfg.overhead_s
