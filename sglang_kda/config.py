@@ -287,11 +287,11 @@ class KDAConfig:
         1.75,
         slowdown,
         "0 (off) or a factor >= 1",
-        "Under `--kda-budget serial`, a prefill sharing rounds with decode keeps at least 1/N "
-        "of its predicted progress running alone: its slice grows past the round budget when "
-        "that budget would stretch it more (a slow spell, a fixed cost per round near the "
-        "budget), so its time beside decode stays within about N x its time alone and decode "
-        "pays the difference. `0` = the round budget alone decides.",
+        "Under `--kda-budget serial`, a prefill sharing rounds with decode finishes within "
+        "about N x its predicted time running alone: once it falls behind that pace its slice "
+        "grows past the round budget to keep 1/N of its rate alone (a slow spell, a fixed cost "
+        "per round near the budget), and decode pays the difference; a prefill ahead of the "
+        "pace keeps the round budget. `0` = the round budget alone decides.",
     )
     ttft_deadline_ms: float = flag(
         10_000.0,
