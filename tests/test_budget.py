@@ -52,6 +52,13 @@ CFG = BudgetConfig(
     itl_floor_s=0,
 )
 DECODE = [500, 800, 1200, 300]
+# A fixed cost per round so large that one grid step beside decode overshoots a 20 ms budget
+# (the progress floor's tests).
+SLOW_ROUNDS = CostModel(
+    Coefficients(overhead=0.03, per_token=2e-4, per_kda_step=2e-4, per_prefill_round=0.01),
+    kda_layers=3,
+    mla_layers=1,
+)
 
 
 def round_cost(decode, done, n):
@@ -578,11 +585,7 @@ def test_progress_floor_bounds_a_prompts_slowdown_beside_decode():
     the planned prompt time beside decode stays within max_slowdown x alone."""
     from sglang_kda.policy.budget import alone_time, progress_floor
 
-    slow_rounds = CostModel(
-        Coefficients(overhead=0.03, per_token=2e-4, per_kda_step=2e-4, per_prefill_round=0.01),
-        kda_layers=3,
-        mla_layers=1,
-    )
+    slow_rounds = SLOW_ROUNDS
     cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)  # one grid step already overshoots
     p = Prefill("p", 1e9, 0, 8192)
     off = replace(cfg, max_slowdown=0)
@@ -613,11 +616,7 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     the local one."""
     from sglang_kda.policy.budget import alone_time, progress_floor
 
-    slow_rounds = CostModel(
-        Coefficients(overhead=0.03, per_token=2e-4, per_kda_step=2e-4, per_prefill_round=0.01),
-        kda_layers=3,
-        mla_layers=1,
-    )
+    slow_rounds = SLOW_ROUNDS
     cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)
     start = Prefill("p", 1e9, 0, 8192)
     alone = alone_time(slow_rounds, start, cfg)
