@@ -622,6 +622,7 @@ def chunk_kda_fwd_h_kernel(
     stride_ht_k,
     stride_ht_v,
     T,
+    NH,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -635,8 +636,12 @@ def chunk_kda_fwd_h_kernel(
     CKPT_SKIP_PADDED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # V blocks fastest: one head's blocks run side by side and share its kg / w / g_cum rows
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    # V blocks fastest: one head's blocks run side by side and share its kg / w / g_cum rows.
+    # (sequence, head) pairs are tiled over axes 1 and 2 (each at most 65,535: grid_rows).
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if i_nh >= NH:
+        return
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
@@ -730,6 +735,7 @@ def chunk_kda_fwd_o_kernel(
     chunk_indices,
     prefix_lens,
     T,
+    NT,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -739,7 +745,12 @@ def chunk_kda_fwd_o_kernel(
     DOT_PREC: tl.constexpr,
 ):
     # V blocks fastest: the programs sharing a chunk's qg / Aqk / v_new rows run together (L2)
-    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # (chunk, head) pairs tiled over axes 1 and 2 like the h kernel's (grid_rows)
+    i_v = tl.program_id(0)
+    i_th = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    if i_th >= NT * H:
+        return
+    i_t, i_h = i_th // H, i_th % H
     i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
     i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -882,6 +893,19 @@ def _env_int(name: str, default: int) -> int:
 # Launch configuration (no autotuning: the state kernel updates the pool and ``u`` in place, so
 # benchmark re-runs would corrupt them). Overridable by environment for tuning on a GPU;
 # benchmark/kernel_kda.py --sweep edits this dict directly.
+MAX_GRID_YZ = 65535
+"""CUDA's limit on a launch grid's axes 1 and 2 (axis 0 allows 2**31 - 1)."""
+
+
+def grid_rows(blocks: int, rows: int) -> tuple[int, int, int]:
+    """A grid of ``blocks`` programs (axis 0, run side by side) for each of ``rows`` rows, the rows
+    tiled over axes 1 and 2 so neither passes :data:`MAX_GRID_YZ`: row ``i`` is program
+    ``(b, i % Y, i // Y)`` with ``Y = min(rows, MAX_GRID_YZ)``; programs past ``rows`` (the last
+    tile's tail) return at once. 16,384 sequences x 32 heads are 524,288 rows: (b, 65535, 9)."""
+    y = max(1, min(rows, MAX_GRID_YZ))
+    return (blocks, y, max(1, -(-rows // y)))
+
+
 KERNEL_CONFIG: dict[str, int] = {
     "intra_bk": _env_int("SGLANG_KDA_INTRA_BK", 0),  # 0: 64 for K <= 64, else 32
     "intra_bkd": _env_int("SGLANG_KDA_INTRA_BKD", 16),  # K slice of the diagonal-pair broadcast
@@ -1116,7 +1140,8 @@ def chunk_kda_fwd(
             else:
                 ht.zero_()
     else:
-        chunk_kda_fwd_h_kernel[(triton.cdiv(V, BV_h), N * H)](
+        chunk_kda_fwd_h_kernel[grid_rows(triton.cdiv(V, BV_h), N * H)](
+            NH=N * H,
             kg=kg, w=w, u=u, g_cum=g_cum, h=h, h0=h0, ht=ht, state_indices=state_indices,
             ckpt=ck_buf, ckpt_offsets=ck_offsets, CKPT_SKIP_PADDED=bool(padded),
             checkpoint_every=checkpoint_every if checkpoint_every is not None else BT,
@@ -1129,7 +1154,8 @@ def chunk_kda_fwd(
 
     if NT > 0:
         BV_o = max(16, min(KERNEL_CONFIG["o_bv"], triton.next_power_of_2(V)))
-        chunk_kda_fwd_o_kernel[(triton.cdiv(V, BV_o), NT, H)](
+        chunk_kda_fwd_o_kernel[grid_rows(triton.cdiv(V, BV_o), NT * H)](
+            NT=NT,
             qg=qg, v_new=u, Aqk=Aqk, h=h, o=o,
             cu_seqlens=cu_seqlens_d, chunk_indices=chunk_indices, prefix_lens=prefix_d,
             T=Ttot, H=H, K=K, V=V, BT=BT, BK=min(128, BK_full), BV=BV_o, DOT_PREC=prec,

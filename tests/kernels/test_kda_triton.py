@@ -691,3 +691,48 @@ def test_gpu_matches_fla():
 
     assert rel(o, o_f) < 2e-2
     assert rel(ht, ht_f) < 2e-2
+
+
+# --------------------------------------------------------------------------------------------
+# launch grid limits
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N", [1, 2047, 2048, 16384])
+def test_launch_grids_stay_within_cuda_limits(N):
+    """Every launch of an extend over ``N`` sequences of 1-64 tokens at H = 32 (the h kernel's
+    rows were ``N * H`` on axis 1: past 65,535 from 2,048 sequences on)."""
+    H, V = 32, 128
+    for rows in (N * H, (N + 2) * H):  # the h kernel's (sequence, head), the o kernel's (chunk)
+        grid = kt.grid_rows(-(-V // 64), rows)
+        assert grid[1] <= kt.MAX_GRID_YZ and grid[2] <= kt.MAX_GRID_YZ and grid[0] < 2**31
+        assert grid[1] * grid[2] >= rows > grid[1] * (grid[2] - 1)  # covers, one partial tile
+    import inspect
+
+    src = inspect.getsource(kt.chunk_kda_fwd)  # no launch puts a row count on axis 1 or 2
+    launches = [line for line in src.splitlines() if "_kernel[" in line]
+    assert launches and all("grid_rows(" in s or "[(NT, H)]" in s for s in launches), launches
+
+
+def test_tiled_grid_gives_the_same_states(poisoned, monkeypatch):
+    """With the axis limit shrunk to 5 the (sequence, head) and (chunk, head) rows fold over
+    axes 1 and 2 with a partial last tile; outputs, final states and checkpoints are unchanged."""
+    monkeypatch.setattr(kt, "MAX_GRID_YZ", 5)
+    assert kt.grid_rows(2, 12) == (2, 5, 3)
+    lens, H, K, V, C = [1, 63, 65, 130], 3, 32, 32, 64
+    bounds = [0, 1, 64, 129, 259]
+    prefixes = [0, 37, 64, 5]
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=3, strong=True)
+    cu = torch.tensor(bounds, dtype=torch.long, device=DEV)
+    h0 = torch.randn(len(lens), H, K, V, device=DEV)
+    o, ht, ck = kt.chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=C, prefix_lens=prefixes,
+    )  # fmt: skip
+    ro, rh = naive_recurrent_kda(
+        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+    )  # fmt: skip
+    _assert_close(o, ro)
+    _assert_close(ht, rh)
+    _check_checkpoints(ck, _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes, C, l2=True))
