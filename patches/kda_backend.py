@@ -9,7 +9,9 @@ Why: upstream's KDA kernels are Triton-only (CPU: "not supported", the imports a
     CPU conv op of sgl_kernel is bf16/fp16-only and no CPU sgl_kernel exists on the registries.
 How: ``TritonKDAKernel`` becomes the adapter of :func:`sglang_kda.kda_adapter.make_kernel_class`
     over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda_triton`` (CUDA,
-    ``--kda-kernel triton``, the CUDA default under ``--kda-policy kda``). On CPU the two conv
+    ``--kda-kernel triton``, the CUDA default under ``--kda-policy kda``; on CUDA the adapter
+    subclasses upstream's ``TritonKDAKernel`` and overrides ``extend`` only, so decode runs
+    upstream's fused packed decode). On CPU the two conv
     globals become the PyTorch ops in ``sglang_kda.kernels.conv_torch``. ``forward_extend``
     runs through :func:`sglang_kda.kda_adapter.capturing_extend`, which plans the states the
     kernel emits: SGLang's ``extra_buffer`` track snapshot (any policy) and, with
@@ -50,7 +52,11 @@ def apply(ctx) -> None:
     if getattr(mod, "_sglang_kda_patched", False):
         return
     mod._orig_TritonKDAKernel = mod.TritonKDAKernel
-    mod.TritonKDAKernel = kda_adapter.make_kernel_class(LinearAttnKernelBase, ctx.kernel)
+    # On CUDA the adapter subclasses upstream's kernel: decode stays upstream's packed path.
+    upstream = None if ctx.cpu_engine else mod._orig_TritonKDAKernel
+    mod.TritonKDAKernel = kda_adapter.make_kernel_class(
+        LinearAttnKernelBase, ctx.kernel, upstream=upstream
+    )
     backend = mod.KDAAttnBackend
     every = ctx.config.checkpoint_every_tokens() if ctx.config.policy == "kda" else 0
     setattr(backend, kda_adapter.EVERY_ATTR, every)

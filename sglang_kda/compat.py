@@ -158,6 +158,114 @@ def _hicache(server_args: Any, policy_kda: bool) -> list[Refusal]:
     ]
 
 
+def _capture_keyed_by_forward(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusal]:
+    """Features that run one scheduler batch as several forwards at once, or split a sequence's
+    tokens over ranks: the capture plan is keyed on the ``ForwardBatch`` it was built for and the
+    checkpoints are one rank's whole sequence (``sglang_kda/kda_adapter.py``)."""
+    if not policy_kda and kernel not in OUR_KERNELS:
+        return []
+    out = []
+    why_overlap = (
+        "its micro-batches interleave their KDA layers, while the checkpoint capture plans one "
+        "forward at a time (keyed on the ForwardBatch) and would drop or overwrite checkpoints"
+    )
+    if getattr(server_args, "enable_two_batch_overlap", False):
+        out.append(Refusal("--enable-two-batch-overlap", why_overlap))
+    if getattr(server_args, "enable_single_batch_overlap", False):
+        out.append(Refusal("--enable-single-batch-overlap", why_overlap))
+    if getattr(server_args, "enable_pdmux", False):
+        out.append(
+            Refusal(
+                "--enable-pdmux",
+                "PD-multiplexing runs prefill and decode forwards concurrently on split streams, "
+                "beside which the capture's one-forward-at-a-time plan has never run",
+            )
+        )
+    cp = (
+        ("--attn-cp-size", int(getattr(server_args, "attn_cp_size", 1) or 1) > 1),
+        ("--dcp-size", int(getattr(server_args, "dcp_size", 1) or 1) > 1),
+        ("--enable-prefill-cp", bool(getattr(server_args, "enable_prefill_cp", False))),
+    )
+    for flag, on in cp:
+        if on:
+            out.append(
+                Refusal(
+                    flag,
+                    "context parallelism splits a sequence's tokens over ranks, while a KDA "
+                    "checkpoint is one rank's state after all tokens up to a grid point",
+                )
+            )
+    return out
+
+
+def _linear_attn_backends(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusal]:
+    """Checkpoints come from sglang_kda's kernel, which SGLang's dispatcher calls for extend only
+    under the ``triton`` prefill backend; decode and verify backends do not capture."""
+    if kernel not in OUR_KERNELS:
+        return []
+    prefill = getattr(server_args, "linear_attn_prefill_backend", None)
+    flag = "--linear-attn-prefill-backend"
+    if prefill is None:
+        prefill, flag = getattr(server_args, "linear_attn_backend", None), "--linear-attn-backend"
+    if prefill in (None, "triton"):
+        return []
+    return [
+        Refusal(
+            f"{flag} {prefill}",
+            f"sglang_kda's KDA kernel (--kda-kernel {kernel}) takes the checkpoints and SGLang's "
+            "dispatcher calls it for extend only under the triton prefill backend; under "
+            f"{prefill} no checkpoint would be taken and twins would wait for ones that never "
+            "come (decode backends are free: set --linear-attn-decode-backend instead); "
+            f"{USE_STOCK} --kda-kernel upstream for the {prefill} prefill",
+        )
+    ]
+
+
+def _state_pool_variants(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    if not policy_kda:
+        return []
+    out = []
+    if getattr(server_args, "enable_int8_mamba_checkpoint", False):
+        out.append(
+            Refusal(
+                "--enable-int8-mamba-checkpoint",
+                "SGLang's int8 checkpoint pool keeps the tree's states in a separate, quantised "
+                "pool, while the kda policy inserts its fp32 grid checkpoints as slots of the "
+                "active state pool: the tree would read them as int8 slots; " + USE_STOCK,
+            )
+        )
+    if getattr(server_args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
+        out.append(
+            Refusal(
+                "--mamba-radix-cache-strategy extra_buffer_lazy",
+                "lazy track slots are allocated after the forward, but the kda policy's capture "
+                "hands its checkpoints to slots planned before it; use extra_buffer (the CUDA "
+                "default) or " + USE_STOCK,
+            )
+        )
+    return out
+
+
+SUPPORT_TABLE: tuple[tuple[str, str], ...] = (
+    ("--speculative-algorithm", "refused (kda policy or sglang_kda's kernel)"),
+    ("--disaggregation-mode prefill|decode", "refused under the kda policy"),
+    ("prefill CUDA graphs (--cuda-graph-backend-prefill, ...)", "refused"),
+    ("--enable-dp-attention / --attn-dp-size > 1", "refused under the kda policy"),
+    ("--enable-hierarchical-cache", "refused under the kda policy"),
+    ("--enable-int8-mamba-checkpoint", "refused under the kda policy"),
+    ("--mamba-radix-cache-strategy extra_buffer_lazy", "refused under the kda policy"),
+    ("--linear-attn-prefill-backend (or --linear-attn-backend) other than triton",
+     "refused with sglang_kda's kernel; --kda-kernel upstream runs it (no checkpoints)"),
+    ("--linear-attn-decode-backend any", "supported: decode runs the chosen upstream kernel"),
+    ("--enable-two-batch-overlap / --enable-single-batch-overlap", "refused"),
+    ("--enable-pdmux", "refused"),
+    ("--attn-cp-size > 1 / --dcp-size > 1 / --enable-prefill-cp", "refused"),
+    ("--mamba-radix-cache-strategy extra_buffer, overlap scheduler, --page-size",
+     "supported (the CUDA defaults)"),
+)  # fmt: skip
+"""The options that change the KDA or state-cache path, as docs/gpu.md lists them."""
+
+
 def refusals(server_args: Any, config: KDAConfig, on_cuda: bool = True) -> list[Refusal]:
     """The features of ``server_args`` (SGLang's parsed ``ServerArgs``, before resolution)
     that sglang_kda cannot run with ``config``; empty when the server may start.
@@ -171,4 +279,7 @@ def refusals(server_args: Any, config: KDAConfig, on_cuda: bool = True) -> list[
         *_prefill_graph(server_args, kda, kernel),
         *_dp_attention(server_args, kda),
         *_hicache(server_args, kda),
+        *_state_pool_variants(server_args, kda),
+        *_linear_attn_backends(server_args, kda, kernel),
+        *_capture_keyed_by_forward(server_args, kda, kernel),
     ]

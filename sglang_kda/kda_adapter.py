@@ -192,16 +192,23 @@ def _ops(kernel: str):
     return ops
 
 
-def make_kernel_class(base: type, kernel: str) -> type:
+def make_kernel_class(base: type, kernel: str, upstream: Optional[type] = None) -> type:
     """Build the adapter as a subclass of SGLang's ``LinearAttnKernelBase`` (``base``) over the
-    ``kernel`` path (``"torch"`` or ``"triton"``)."""
-    ops = _ops(kernel)
+    ``kernel`` path (``"torch"`` or ``"triton"``).
 
-    class SglangKDAKernel(base):
+    With ``upstream`` (SGLang's own ``TritonKDAKernel``, given on CUDA) the adapter subclasses it
+    and overrides ``extend`` only: decode keeps upstream's fused packed path (conv output straight
+    into one kernel, ``supports_packed_decode``), since only prefill takes checkpoints. On CPU
+    (``upstream`` None) the adapter's own ``decode`` runs sglang_kda's kernel."""
+    ops = _ops(kernel)
+    parent = upstream if upstream is not None else base
+
+    class SglangKDAKernel(parent):
         """KDA kernel slot filled by sglang_kda (``%s`` path).""" % kernel
 
-        supports_packed_decode = False
-        supports_fused_chain_verify = False
+        if upstream is None:
+            supports_packed_decode = False
+            supports_fused_chain_verify = False
         # extra_buffer: the fp32 track snapshot is written from the kernel's own states.
         supports_track_state_snapshot = True
         kernel_path = kernel
@@ -263,35 +270,37 @@ def make_kernel_class(base: type, kernel: str) -> type:
                 o = res
             return (o, None) if return_intermediate_states else o
 
-        def decode(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            a: torch.Tensor,
-            b: torch.Tensor,
-            *,
-            A_log: torch.Tensor,
-            dt_bias: torch.Tensor,
-            ssm_states: torch.Tensor,
-            cache_indices: torch.Tensor,
-            query_start_loc: torch.Tensor,
-            lower_bound: Optional[float] = None,
-            **kwargs,
-        ) -> torch.Tensor:
-            if q.shape[1] != cache_indices.numel():
-                raise NotImplementedError(
-                    "sglang_kda's KDA decode takes one token per sequence "
-                    f"(got {q.shape[1]} tokens for {cache_indices.numel()} sequences)"
-                )
-            return ops.kda_decode_pool(
-                q, k, v, a, b,
-                A_log=A_log,
-                dt_bias=dt_bias,
-                ssm_states=ssm_states,
-                cache_indices=cache_indices,
-                use_qk_l2norm=True,
-                lower_bound=lower_bound,
-            )  # fmt: skip
+        if upstream is None:  # CPU: sglang_kda's decode; on CUDA upstream's stays
+
+            def decode(
+                self,
+                q: torch.Tensor,
+                k: torch.Tensor,
+                v: torch.Tensor,
+                a: torch.Tensor,
+                b: torch.Tensor,
+                *,
+                A_log: torch.Tensor,
+                dt_bias: torch.Tensor,
+                ssm_states: torch.Tensor,
+                cache_indices: torch.Tensor,
+                query_start_loc: torch.Tensor,
+                lower_bound: Optional[float] = None,
+                **kwargs,
+            ) -> torch.Tensor:
+                if q.shape[1] != cache_indices.numel():
+                    raise NotImplementedError(
+                        "sglang_kda's KDA decode takes one token per sequence "
+                        f"(got {q.shape[1]} tokens for {cache_indices.numel()} sequences)"
+                    )
+                return ops.kda_decode_pool(
+                    q, k, v, a, b,
+                    A_log=A_log,
+                    dt_bias=dt_bias,
+                    ssm_states=ssm_states,
+                    cache_indices=cache_indices,
+                    use_qk_l2norm=True,
+                    lower_bound=lower_bound,
+                )  # fmt: skip
 
     return SglangKDAKernel

@@ -356,37 +356,82 @@ def _model_config_json(model_path: str, revision=None) -> dict | None:
         return None
 
 
+def resolved(server_args, field: str):
+    """A field of ``server_args`` as SGLang's resolution left it (its own reader: the last
+    declaration, else the user's value); plain attributes for objects that are not SGLang's."""
+    if not hasattr(server_args, "resolve_once"):
+        return getattr(server_args, field, None)
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    return resolution_result(server_args, field)
+
+
+def _device_bytes(server_args) -> int:
+    """The GPU's memory as SGLang's own sizing reads it (MiB from ``nvidia-smi`` or the
+    platform), in bytes."""
+    from sglang.srt.utils.common import get_device_memory_capacity
+
+    mib = get_device_memory_capacity(resolved(server_args, "device"))
+    if not mib:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return int(mib * 2**20)
+
+
 def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str]:
     """On CUDA with ``--kda-checkpoint-every 0``: the memory-parity spacing and the capture's
-    reservation out of ``--mem-fraction-static`` (:func:`sglang_kda.policy.spacing.cuda_plan`);
-    ``server_args`` is updated in place. Returns the config to export and a line to log."""
-    import dataclasses
+    reservation (:func:`sglang_kda.policy.spacing.cuda_plan`). Returns the config to export and
+    a line to log.
 
-    import torch
+    Works on SGLang's resolved arguments: it runs SGLang's own resolution first
+    (``ServerArgs.resolve_once``; ``run_server``'s later call then returns at once) and reads the
+    page size, chunk, dtypes and static memory fraction SGLang chose (on an H200: page 1 under
+    FA3, chunk 8192, fraction 0.9). The capture's bytes are taken out of SGLang's own fraction as
+    one more resolution step (``declare_resolution``), never a guess in its place. A fraction
+    the user set stands; the note then says how much the capture needs outside it.
+    """
+    import dataclasses
 
     from sglang_kda.policy.spacing import cuda_plan
 
+    if hasattr(server_args, "resolve_once"):
+        server_args.resolve_once()
     model = _model_config_json(server_args.model_path, getattr(server_args, "revision", None))
     if not model or "linear_attn_config" not in model:
         return config, "no Kimi-Linear config.json found: checkpoints on the grid"
-    chunk = server_args.chunked_prefill_size
+    chunk = resolved(server_args, "chunked_prefill_size")
     if not chunk or chunk <= 0:
-        chunk = server_args.max_prefill_tokens
-    kv_dtype = str(server_args.kv_cache_dtype)
+        chunk = resolved(server_args, "max_prefill_tokens")
+    kv_dtype = str(resolved(server_args, "kv_cache_dtype"))
     if kv_dtype == "auto":
-        kv_dtype = str(getattr(server_args, "dtype", "auto"))
+        kv_dtype = str(resolved(server_args, "dtype") or "auto")
     kv_bytes = 1 if "fp8" in kv_dtype else 4 if kv_dtype in ("float32", "float") else 2
+    fraction = resolved(server_args, "mem_fraction_static")
+    user_fraction = (getattr(server_args, "_raw_input", None) or {}).get(
+        "mem_fraction_static", getattr(server_args, "mem_fraction_static", None)
+    )
     plan = cuda_plan(
         model,
-        tp_size=server_args.tp_size,
-        page_size=server_args.page_size or 1,
-        chunk_tokens=chunk,
-        mem_fraction_static=server_args.mem_fraction_static,
-        gpu_bytes=torch.cuda.get_device_properties(0).total_memory,
+        tp_size=int(resolved(server_args, "tp_size") or 1),
+        page_size=int(resolved(server_args, "page_size") or 1),
+        chunk_tokens=int(chunk),
+        mem_fraction_static=float(fraction),
+        gpu_bytes=_device_bytes(server_args),
         kv_dtype_bytes=kv_bytes,
     )
-    server_args.mem_fraction_static = plan.mem_fraction_static
-    return dataclasses.replace(config, checkpoint_every=plan.every), plan.note
+    note = plan.note
+    if user_fraction is not None and hasattr(server_args, "resolve_once"):
+        note += f" (not applied: --mem-fraction-static {user_fraction} was set by the user)"
+    elif hasattr(server_args, "resolve_once"):
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(
+            server_args, "sglang_kda.capture_reserve", mem_fraction_static=plan.mem_fraction_static
+        )
+    else:  # a plain namespace (tests of this function alone)
+        server_args.mem_fraction_static = plan.mem_fraction_static
+    return dataclasses.replace(config, checkpoint_every=plan.every), note
 
 
 def print_help() -> None:

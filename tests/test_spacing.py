@@ -9,7 +9,13 @@ import pytest
 
 from sglang_kda import launch_server
 from sglang_kda.config import KDAConfig
-from sglang_kda.policy.spacing import capture_bytes, cuda_plan, parity_spacing, state_sizes
+from sglang_kda.policy.spacing import (
+    capture_bytes,
+    cuda_plan,
+    kernel_scratch_bytes,
+    parity_spacing,
+    state_sizes,
+)
 from sglang_kda.sim import costs
 
 # Kimi-Linear-48B-A3B's attention shapes (config.json; anchors.md "Published numbers")
@@ -55,7 +61,9 @@ def test_cuda_plan_takes_the_capture_out_of_the_static_fraction():
     )  # fmt: skip
     assert plan.every == 1408
     assert plan.capture_bytes == 6 * state_sizes(KIMI_48B, 4).checkpoint_bytes
-    assert plan.mem_fraction_static == pytest.approx(0.85 - plan.capture_bytes / 141e9, abs=1e-4)
+    reserved = plan.capture_bytes + plan.scratch_bytes  # scratch: one layer, 8k tokens, 160 MiB
+    assert plan.scratch_bytes == kernel_scratch_bytes(KIMI_48B, 4, 8192) == 168034304
+    assert plan.mem_fraction_static == pytest.approx(0.85 - reserved / 141e9, abs=1e-4)
     assert "every 1408 tokens" in plan.note and "-> 0.8" in plan.note
 
 

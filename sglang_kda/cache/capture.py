@@ -275,11 +275,19 @@ class ExtendPlan:
             [M, width, D] float32, row r = the raw rows at positions pos - width .. pos - 1 of
             capture row r.
         """
-        tokens = sum(self.extend_lens)
+        d = mixed_qkv.shape[-1]
         init = torch.where(self.fresh_mask(initial.device), 0, initial).to(mixed_qkv.dtype)
-        rows = torch.cat([init.reshape(-1, mixed_qkv.shape[-1]), mixed_qkv[:tokens]])
+        init = init.reshape(-1, d)
+        # index into [initial rows; forward rows] without building that concatenation (a copy
+        # of the layer's whole conv input): each source is gathered at the captured rows only
         idx = self.window_index(width, mixed_qkv.device)
-        return rows.index_select(0, idx).view(-1, width, mixed_qkv.shape[-1]).float()
+        n0 = init.shape[0]
+        from_init = idx < n0
+        out = mixed_qkv.index_select(0, (idx - n0).clamp(min=0))
+        if n0:
+            picked = init.index_select(0, idx.clamp(max=n0 - 1))
+            out = torch.where(from_init[:, None], picked, out)
+        return out.view(-1, width, d).float()
 
     def take_states(self, states: torch.Tensor, layer_id: int, windows, track_state) -> None:
         """Hand the kernel's states of one KDA layer to both consumers.

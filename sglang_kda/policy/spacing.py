@@ -74,12 +74,31 @@ def capture_bytes(sizes: StateSizes, chunk_tokens: int, every: int) -> int:
     return (chunk_tokens // every + 1) * sizes.checkpoint_bytes
 
 
+def kernel_scratch_bytes(
+    config: Mapping[str, Any], tp_size: int, chunk_tokens: int, dtype_bytes: int = 2
+) -> int:
+    """Peak scratch of sglang_kda's Triton extend (``kernels/kda_triton.chunk_kda_fwd``) for one
+    KDA layer over ``chunk_tokens`` tokens, per rank: per token and local head the fp32 gate
+    cumsum, ``qg``/``kg``/``w``/``u`` in the input dtype, the 64-wide ``Aqk``/``Ai`` (input dtype)
+    and ``Akk`` (fp32); per 64-token chunk and head the chunk state ``h`` (input dtype). Freed
+    after each layer, so one layer's worth is the peak. At Kimi-Linear-48B, 8,192 tokens: 640
+    MiB at TP1, 80 MiB at TP8."""
+    lin = config["linear_attn_config"]
+    heads = max(1, int(lin["num_heads"]) // max(1, tp_size))
+    d = int(lin["head_dim"])
+    bt = 64
+    per_token_head = 4 * d + 3 * dtype_bytes * d + dtype_bytes * d + bt * (2 * dtype_bytes + 4)
+    chunks = -(-chunk_tokens // bt) + 1
+    return chunk_tokens * heads * per_token_head + chunks * heads * d * d * dtype_bytes
+
+
 @dataclass(frozen=True)
 class CudaPlan:
     every: int  # checkpoint spacing in tokens
-    capture_bytes: int  # one chunk's captured checkpoints, per rank
-    mem_fraction_static: float  # SGLang's, less the capture's share of the GPU
+    capture_bytes: int  # one chunk's captured checkpoints (states + conv windows), per rank
+    mem_fraction_static: float  # SGLang's, less the capture's and the scratch's share
     note: str
+    scratch_bytes: int = 0  # the Triton extend's scratch for one layer over one chunk
 
 
 def cuda_plan(
@@ -93,17 +112,20 @@ def cuda_plan(
     kv_dtype_bytes: int = 2,
 ) -> CudaPlan:
     """The CUDA default: parity spacing on the grid ``max(64, page_size)``, and SGLang's static
-    memory fraction lowered by one chunk's capture (what the KV pool must leave free)."""
+    memory fraction lowered by one chunk's capture and the kernel's scratch for one layer (what
+    the KV pool must leave free)."""
     from sglang_kda.policy.grid import checkpoint_grid
 
     sizes = state_sizes(config, tp_size, kv_dtype_bytes)
     every = parity_spacing(sizes, checkpoint_grid(page_size))
     cap = capture_bytes(sizes, max(1, chunk_tokens), every)
-    fraction = max(0.05, mem_fraction_static - cap / max(1, gpu_bytes))
+    scratch = kernel_scratch_bytes(config, tp_size, max(1, chunk_tokens))
+    fraction = max(0.05, mem_fraction_static - (cap + scratch) / max(1, gpu_bytes))
     note = (
         f"checkpoints every {every} tokens (one checkpoint {sizes.checkpoint_bytes / 2**20:.1f} "
         f"MiB per rank, KV {sizes.kv_bytes_per_token} B per token: memory parity); capture of "
-        f"a {chunk_tokens}-token chunk {cap / 2**20:.0f} MiB per rank, reserved: "
+        f"a {chunk_tokens}-token chunk {cap / 2**20:.0f} MiB per rank and kernel scratch "
+        f"{scratch / 2**20:.0f} MiB, reserved: "
         f"--mem-fraction-static {mem_fraction_static:.3f} -> {fraction:.3f}"
     )
-    return CudaPlan(every, cap, round(fraction, 4), note)
+    return CudaPlan(every, cap, round(fraction, 4), note, scratch)

@@ -149,3 +149,34 @@ def test_extend_writes_the_extra_buffer_track_snapshot(path):
             track[i].double().transpose(-1, -2), s_ref[0], atol=2e-5, rtol=1e-4
         )
     assert torch.equal(track[2], torch.full((H, K, K), 7.0))
+
+
+def test_cuda_decode_goes_through_upstreams_packed_decode(monkeypatch):
+    """On CUDA the adapter subclasses SGLang's ``TritonKDAKernel`` (``patches/kda_backend.py``
+    passes it as ``upstream``): SGLang's dispatcher sees packed decode and its calls reach
+    upstream's fused ``packed_decode`` (spied here), while extend stays sglang_kda's."""
+    from sglang.srt.layers.attention.linear import kda_backend
+    from sglang.srt.layers.attention.linear.kernels import kda_triton as upstream_mod
+    from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
+    from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
+
+    upstream = upstream_mod.TritonKDAKernel
+    calls = []
+    monkeypatch.setattr(upstream, "supports_packed_decode", True)  # False only on CPU builds
+    monkeypatch.setattr(upstream, "packed_decode", lambda self, *a, **kw: calls.append(kw) or "o")
+    ours = make_kernel_class(LinearAttnKernelBase, "triton", upstream=upstream)
+    assert issubclass(ours, upstream) and ours.extend is not upstream.extend
+    assert ours.decode is upstream.decode and ours.packed_decode is upstream.packed_decode
+    monkeypatch.setattr(kda_backend, "TritonKDAKernel", ours)
+    triton = LinearAttnKernelBackend.TRITON
+    dispatcher = kda_backend.KDAKernelDispatcher(triton, triton, triton)
+    assert isinstance(dispatcher.decode_kernel, ours) and dispatcher.supports_packed_decode
+    x = torch.zeros(1)
+    out = dispatcher.packed_decode(
+        x, x, x, A_log=x, dt_bias=x, scale=1.0, ssm_states=x, cache_indices=x,
+        num_v_heads=1, head_v_dim=1,
+    )  # fmt: skip
+    assert out == "o" and len(calls) == 1
+    # CPU (no upstream): the adapter's own decode, no packed path
+    cpu = make_kernel_class(LinearAttnKernelBase, "triton")
+    assert not cpu.supports_packed_decode and cpu.decode is not upstream.decode
