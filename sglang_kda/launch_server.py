@@ -92,9 +92,10 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     * ``--sleep-on-idle``: an idle scheduler otherwise spins a whole core polling its sockets.
     * ``--disable-overlap-schedule`` and ``--mamba-radix-cache-strategy no_buffer``: upstream's
       ``auto`` picks ``extra_buffer`` under overlap scheduling, which SGLang's in-tree CPU
-      platform refuses. With ``--mamba-radix-cache-strategy extra_buffer`` given, neither is
-      added: the server runs on :mod:`sglang_kda.cpu.platform` (see :func:`cpu_env`) with the
-      overlap scheduler and any ``--page-size``, the configuration GPUs serve with.
+      platform refuses. With ``--mamba-radix-cache-strategy extra_buffer`` given, or a
+      ``--page-size`` above 1 (which ``no_buffer`` cannot run; ``extra_buffer`` is then added),
+      neither is added: the server runs on :mod:`sglang_kda.cpu.platform` (see :func:`cpu_env`)
+      with the overlap scheduler and any ``--page-size``, the configuration GPUs serve with.
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
       float32 checkpoints to float16, which is slow on CPUs and lossy).
     * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
@@ -115,6 +116,8 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     if not extra_buffer_on_cpu(argv):
         default("--disable-overlap-schedule")
         default("--mamba-radix-cache-strategy", "no_buffer")
+    else:  # a page size above 1 picks the strategy that supports it
+        default("--mamba-radix-cache-strategy", "extra_buffer")
     default("--sleep-on-idle")
     default("--mem-fraction-static", "0.1")
     default("--max-mamba-cache-size", "256")
@@ -124,9 +127,18 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     return extra
 
 
+def _page_size(argv: list[str]) -> int:
+    try:
+        return int(_flag_value(argv, "--page-size") or 1)
+    except ValueError:
+        return 1  # SGLang's own parser names the bad value
+
+
 def extra_buffer_on_cpu(argv: list[str]) -> bool:
-    """Whether a CPU server was asked for SGLang's ``extra_buffer`` state cache."""
-    return _flag_value(argv, "--mamba-radix-cache-strategy") == "extra_buffer"
+    """Whether a CPU server runs SGLang's ``extra_buffer`` state cache: asked for, or implied by
+    a ``--page-size`` above 1 with no strategy given (``no_buffer`` supports page size 1 only)."""
+    strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
+    return strategy == "extra_buffer" or (strategy is None and _page_size(argv) > 1)
 
 
 def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
@@ -296,6 +308,12 @@ def _reject_on_cpu(argv: list[str]) -> None:
             "--speculative-algorithm is not supported on the CPU engine by sglang_kda"
         )
     strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
+    if strategy == "no_buffer" and _page_size(argv) > 1:
+        raise ConfigError(
+            f"--page-size {_page_size(argv)} needs --mamba-radix-cache-strategy extra_buffer "
+            "(SGLang's no_buffer supports page size 1 only); drop --mamba-radix-cache-strategy "
+            "no_buffer and the CPU engine picks extra_buffer for you"
+        )
     if strategy not in (None, "no_buffer", "extra_buffer"):
         raise ConfigError(
             f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use no_buffer "

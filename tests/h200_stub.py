@@ -1,4 +1,4 @@
-"""Run ``sglang_kda.launch_server.main``'s CUDA branch on a CPU machine that says it is an H200 node.
+"""Run ``sglang_kda.launch_server.main``'s CUDA branch on a CPU machine posing as an H200 node.
 
 Used by tests/test_cuda_launch.py in a fresh interpreter (the stubs must precede every SGLang
 import, and SGLang caches platform facts per process)::
@@ -101,6 +101,7 @@ def run(argv: list[str]) -> dict:
         os.environ[k] = v
     if "args" in seen:
         args = seen["args"]
+        args.resolve_once()  # what run_server does first (a no-op when the plan already ran it)
         out["resolved"] = {f: _plain(launch_server.resolved(args, f)) for f in GPU_FIELDS}
     return out
 

@@ -63,6 +63,22 @@ def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
         build_argv(["--model-path", ".", "--speculative-algorithm", "EAGLE"])
 
 
+def test_cpu_page_size_above_one_picks_extra_buffer(tiny_model_dir, monkeypatch):
+    """SGLang's no_buffer asserts page size 1 (a raw AssertionError at start before): a CPU
+    server given only --page-size 64 runs extra_buffer on sglang_kda's CPU platform, and an
+    explicit no_buffer with it fails at start naming both flags."""
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    model = ["--model-path", str(tiny_model_dir)]
+    _, argv, _ = build_argv([*model, "--page-size", "64"])
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
+    assert "--disable-overlap-schedule" not in argv
+    assert cpu_env(argv).get("SGLANG_PLATFORM") == "sglang_kda_cpu"
+    _, argv, _ = build_argv([*model, "--page-size", "1"])
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    with pytest.raises(ConfigError, match="--page-size 64.*--mamba-radix-cache-strategy"):
+        build_argv([*model, "--page-size", "64", "--mamba-radix-cache-strategy", "no_buffer"])
+
+
 def test_bad_flag_fails_at_start_with_message():
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_kda.launch_server", "--kda-policy", "bogus"],

@@ -1,0 +1,164 @@
+"""The CUDA launch path with SGLang's real argument parsing and resolution (issue 27).
+
+``launch_server.main`` runs its CUDA branch on this CPU machine in a fresh interpreter that says
+it is an H200 node (tests/h200_stub.py: ``torch.cuda`` and SGLang's platform facts and GPU memory
+probe stubbed, everything else real; ``run_server`` recorded instead of run). One interpreter
+runs every case below (SGLang's imports and resolution take ~15 s the first time).
+
+Before the fix the default start crashed in the checkpoint plan (``None - float``: SGLang's
+``mem_fraction_static`` is resolved after ``prepare_server_args``); ``test_default_start_*``
+fail on that code.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_kda.policy.spacing import capture_bytes, kernel_scratch_bytes, state_sizes
+
+STUB = Path(__file__).with_name("h200_stub.py")
+H200_BYTES = 143771 * 2**20
+FULL = [4, 8, 12, 16, 20, 24, 27]
+
+
+def kimi_linear_48b_config() -> dict:
+    """Kimi-Linear-48B-A3B's config.json (the values SGLang's resolution and the plan read)."""
+    from sglang_kda.tiny_model import make_config
+
+    cfg = make_config()
+    cfg.update(
+        hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        head_dim=128, intermediate_size=9216, vocab_size=163840, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,
+        num_experts_per_token=8, moe_intermediate_size=1024, torch_dtype="bfloat16",
+        dtype="bfloat16", num_expert_group=1, topk_group=1,
+    )  # fmt: skip
+    cfg["linear_attn_config"] = {
+        "kda_layers": [i for i in range(1, 28) if i not in FULL],
+        "full_attn_layers": FULL,
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    }
+    return cfg
+
+
+REFUSED = {
+    "int8": (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
+    "lazy": (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
+    "flashkda": (["--linear-attn-prefill-backend", "flashkda"], "--linear-attn-prefill-backend"),
+    "backend": (["--linear-attn-backend", "cutedsl"], "--linear-attn-backend cutedsl"),
+    "tbo": (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    "sbo": (["--enable-single-batch-overlap"], "--enable-single-batch-overlap"),
+    "pdmux": (["--enable-pdmux"], "--enable-pdmux"),
+    "cp": (["--attn-cp-size", "2"], "--attn-cp-size"),
+    "dcp": (["--dcp-size", "2"], "--dcp-size"),
+    "spec": (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    "prefill_graph": (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
+    "hicache": (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    "dp_attention": (["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(tiny_model_dir, tmp_path_factory) -> dict:
+    big = tmp_path_factory.mktemp("kimi-linear-48b")
+    (big / "config.json").write_text(json.dumps(kimi_linear_48b_config()))
+    cases = {
+        "tiny": ["--model-path", str(tiny_model_dir)],
+        **{f"48b_tp{tp}": ["--model-path", str(big), "--tp", str(tp)] for tp in (1, 4, 8)},
+        **{
+            f"stock_tp{tp}": ["--model-path", str(big), "--tp", str(tp), "--kda-policy", "stock"]
+            for tp in (1, 8)
+        },
+        "user_fraction": ["--model-path", str(big), "--tp", "4", "--mem-fraction-static", "0.8"],
+        "decode_backend": [
+            "--model-path",
+            str(big),
+            "--tp",
+            "8",
+            "--linear-attn-decode-backend",
+            "cutedsl",
+        ],  # fmt: skip
+        **{k: ["--model-path", str(big), "--tp", "8", *argv] for k, (argv, _) in REFUSED.items()},
+    }
+    proc = subprocess.run(
+        [sys.executable, str(STUB), json.dumps(list(cases.values()))],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == len(cases), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return dict(zip(cases, lines, strict=True)) | {"_big": str(big)}
+
+
+def _ok(out: dict) -> dict:
+    assert out["rc"] == 0, out["stderr"][-2000:]
+    return out["resolved"]
+
+
+def test_default_start_on_an_h200_uses_sglangs_resolved_arguments(launches):
+    """What SGLang 0.5.23 resolves on an H200 and the launcher keeps: FA3, page size 1, chunk
+    8192, extra_buffer with the overlap scheduler on, the triton linear-attention backend."""
+    for key in ("tiny", "48b_tp1", "48b_tp4", "48b_tp8"):
+        r = _ok(launches[key])
+        assert r["device"] == "cuda" and r["attention_backend"] == "fa3"
+        assert r["page_size"] == 1 and r["chunked_prefill_size"] == 8192
+        assert r["mamba_radix_cache_strategy"] == "extra_buffer"
+        assert r["disable_overlap_schedule"] is False
+        assert launches[key]["env"]["SGLANG_KDA_POLICY"] == "kda"
+
+
+@pytest.mark.parametrize("tp, every", [(1, 5568), (4, 1408), (8, 704)])
+def test_default_start_plans_parity_spacing_for_kimi_linear_48b(launches, tp, every):
+    out = launches[f"48b_tp{tp}"]
+    r = _ok(out)
+    assert r["tp_size"] == tp
+    assert out["env"]["SGLANG_KDA_CHECKPOINT_EVERY"] == str(every)
+    assert f"checkpoints every {every} tokens" in out["stderr"]
+    assert "8192-token chunk" in out["stderr"]
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_capture_reserve_comes_off_sglangs_own_fraction(launches, tp):
+    """The stock server's fraction is SGLang's own sizing; the kda default takes exactly one
+    chunk's capture and one layer's kernel scratch off it, nothing else."""
+    own = _ok(launches[f"stock_tp{tp}"])["mem_fraction_static"]
+    ours = _ok(launches[f"48b_tp{tp}"])["mem_fraction_static"]
+    cfg = kimi_linear_48b_config()
+    every = {1: 5568, 8: 704}[tp]
+    reserve = capture_bytes(state_sizes(cfg, tp), 8192, every) + kernel_scratch_bytes(cfg, tp, 8192)
+    assert 0.8 < own < 0.95
+    assert ours == pytest.approx(own - reserve / H200_BYTES, abs=1e-4)
+    assert "SGLANG_KDA_CHECKPOINT_EVERY" not in launches[f"stock_tp{tp}"]["env"] or (
+        launches[f"stock_tp{tp}"]["env"]["SGLANG_KDA_CHECKPOINT_EVERY"] == "0"
+    )
+
+
+def test_a_users_static_fraction_stands(launches):
+    out = launches["user_fraction"]
+    assert _ok(out)["mem_fraction_static"] == 0.8
+    assert "not applied: --mem-fraction-static 0.8 was set by the user" in out["stderr"]
+
+
+def test_any_linear_attention_decode_backend_is_accepted(launches):
+    """Decode takes no checkpoints: SGLang's decode backends run as they are."""
+    r = _ok(launches["decode_backend"])
+    assert r["linear_attn_decode_backend"] == "cutedsl"
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_unsupported_options_are_refused_at_start_naming_the_flag(launches, key):
+    out = launches[key]
+    assert out["rc"] == 2 and out["resolved"] is None
+    flag = REFUSED[key][1]
+    error = "sglang_kda.launch_server: error"
+    lines = [x for x in out["stderr"].splitlines() if x.startswith(error)]
+    assert any(flag in x for x in lines), out["stderr"][-1500:]
