@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test model bench-kernels lint clean
+.PHONY: venv serve test model bench-kernels lint clean libibverbs
 
 venv: $(STAMP)
 
@@ -28,7 +28,19 @@ $(STAMP): pyproject.toml requirements/runtime.txt requirements/test.txt requirem
 	$(BIN)/pip install -q -c requirements/constraints.txt -r requirements/runtime.txt -r requirements/test.txt
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "import sglang_kda, sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	@$(MAKE) --no-print-directory libibverbs
 	touch $(STAMP)
+
+# Mooncake's engine.so (requirements/test.txt, PD disaggregation) links libibverbs.so.1, Debian's
+# libibverbs1. Installed with apt-get when missing and this runs as root; otherwise a note, and
+# tests/server/test_pd.py skips naming the missing library.
+libibverbs:
+	@if $(BIN)/python -c "import mooncake.engine" 2>/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; } || \
+		echo "note: apt-get could not install libibverbs1; PD (mooncake) tests will skip"; \
+	else echo "note: mooncake.engine does not import (libibverbs1 missing?); as root: apt-get install -y libibverbs1"; fi
 
 model: venv
 	$(BIN)/python -m sglang_kda.tiny_model $(MODEL_DIR)

@@ -44,6 +44,7 @@ PATCH_MODULES = (
     "tp_worker",
     "hybrid_linear_attn_backend",
     "schedule_batch",
+    "disaggregation_mooncake",
 )
 
 _applied: list[str] = []
