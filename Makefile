@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch (on this project's machines it lies on disk, found through pip's
-# find-links). Override on a GPU machine, e.g. `make TORCH_SPEC=torch==2.14.1 venv`.
+# find-links). A GPU machine uses `make venv-gpu` instead (docs/gpu.md).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.sglang_kda-installed
 MODEL_DIR ?= models/tiny-kimi-linear
@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test model bench-kernels lint clean libibverbs
+.PHONY: venv venv-gpu serve test model bench-kernels lint clean libibverbs
 
 venv: $(STAMP)
 
@@ -41,6 +41,20 @@ libibverbs:
 		{ apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; } || \
 		echo "note: apt-get could not install libibverbs1; PD (mooncake) tests will skip"; \
 	else echo "note: mooncake.engine does not import (libibverbs1 missing?); as root: apt-get install -y libibverbs1"; fi
+
+# GPU machines (not yet run: no GPU has been lent): SGLang 0.5.23 with its own CUDA dependency
+# list (torch 2.14.1, sglang-kernel, flashinfer, ...), then this package without deps, so nothing
+# here re-pins torch or Triton (requirements/gpu-constraints.txt keeps SGLang's torch).
+venv-gpu:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements/gpu-constraints.txt sglang==0.5.23
+	$(BIN)/pip install -q -c requirements/gpu-constraints.txt safetensors tokenizers pytest \
+		requests hypothesis matplotlib sglang-router==0.3.2
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/python -c "import torch, sglang, sglang_kda; assert torch.cuda.is_available(); \
+		print('sglang', sglang.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+	touch $(STAMP)
 
 model: venv
 	$(BIN)/python -m sglang_kda.tiny_model $(MODEL_DIR)

@@ -15,14 +15,18 @@
 # Steps (budget, s): 1 device facts (15); 2 pre-warm: compile every kernel of ours at the Kimi
 # shapes and fla's autotune on a small call (80); 3 GPU tests: kernels vs references, and one
 # extend through the adapter with grid checkpoints + SGLang's extra_buffer track snapshot under
-# CUDA's sync debug mode (no host read allowed) (90); 4 serving (240): the tiny model in bf16
+# CUDA's sync debug mode (no host read allowed) (150, cold compiles included); 4 serving (240): the tiny model in bf16
 # with default flags (overlap scheduler, extra_buffer; auto = our Triton kernel under the kda
 # policy), with --kda-kernel triton --page-size 64, then SGLang's own kernel if time is left:
 # answers vs the float64 reference, cached tokens on a repeat, an off-grid divergence, twins and
 # a 1,500-token divergence, cache integrity (benchmark/gpu_serve_check.py; skipped, saying so,
 # where SGLang is not installed: the lent machine has no SGLang and it is too large to carry);
-# 5 timing ours / fla / SGLang at T = 8k, 32k, 128k with checkpoints every 64, 256, 1024, bf16
-# error vs fla (150); 6 decode captured in a CUDA graph and replayed against eager (30).
+# 5 grid: 2,100 one-token sequences at H = 32 (rows past 65,535) against unbatched calls (20);
+# 6 timing ours / fla / SGLang at T = 8k, 32k, 128k with checkpoints every 64, 256, 1024, bf16
+# error vs fla (110); 7 decode captured in a CUDA graph and replayed against eager (30).
+# Cannot check on the lent machine: anything of the serving path (no SGLang there, no network to
+# install it, 64 MiB per command) -- SGLang's resolution on CUDA, upstream's packed decode beside
+# our extend, the launch plan's memory reserve. Those need a machine with SGLang installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmark/results/gpu_check}
@@ -103,7 +107,9 @@ except Exception as e:
     print(f"fla: {type(e).__name__}: {e}")
 EOF
 
-step "gpu tests" 90 $PY -m pytest -q tests/kernels/test_kda_triton.py tests/kernels/test_capture_gpu.py \
+# Cold compiles: the tests' small shapes specialise other kernel variants than the pre-warm's, so
+# their first calls compile too (about a second per variant); 150 s leaves room for that.
+step "gpu tests" 150 $PY -m pytest -q tests/kernels/test_kda_triton.py tests/kernels/test_capture_gpu.py \
   -m gpu -p no:cacheprovider -o addopts="" --import-mode=importlib
 
 # Serving needs the installed package (its plugin is an entry point), so not the SITE path.
@@ -120,7 +126,27 @@ else
     | tee -a "$LOG"
 fi
 
-step "timing" 150 $PY benchmark/kernel_kda.py --T 8192,32768,131072 --reps 3 --out "$OUT/kernel_kda.csv"
+step "grid" 20 $PY - <<'EOF'
+# 2,100 one-token sequences at H = 32: 67,200 (sequence, head) rows, past CUDA's 65,535 limit
+# on grid axis 1 before the rows were tiled (grid_rows); checked against the unbatched calls.
+import torch
+import sglang_kda.kernels.kda_triton as kt
+N, H, D, dev = 2100, 32, 128, "cuda"
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, N, H, D, device=dev) for _ in range(3))
+g, beta = -torch.rand(1, N, H, D, device=dev) * 0.5, torch.rand(1, N, H, device=dev)
+cu = torch.arange(N + 1, device=dev)
+o, ht = kt.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                     cu_seqlens=cu)
+for i in (0, 1234, N - 1):
+    oi, hi = kt.chunk_kda(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1],
+                          beta[:, i:i + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o[:, i:i + 1], oi, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(ht[i:i + 1], hi, atol=1e-4, rtol=1e-3)
+print(f"grid: {N} sequences x {H} heads launched (rows {N * H}), 3 spot checks equal")
+EOF
+
+step "timing" 110 $PY benchmark/kernel_kda.py --T 8192,32768,131072 --reps 3 --out "$OUT/kernel_kda.csv"
 
 step "decode graph" 30 $PY - <<'EOF'
 import torch
