@@ -34,16 +34,29 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
 * :meth:`integrity`: walks the tree; see its docstring.
 
 Recency is a logical clock (one tick per operation), so runs are deterministic.
+
+Eviction costs what the evictions cost, not a walk of the tree: the tree keeps, incrementally,
+each node's recency (the most recent access in its subtree), each checkpoint's distance to its
+nearest checkpointed ancestor (the rule's saved work), the checkpoints in the order of their
+last insert or hit, and lazy heaps of the LRU candidates (checkpoints; unlocked leaves). The
+victims are the ones the old walk picked, in the same order (``tests/sim/test_tree_fast.py``
+checks it against the walk, kept there as the reference). ``eviction.pick_victims`` is evaluated
+incrementally (:meth:`RadixTree._pick_by_rule`: the same float operations on the candidates that
+can win); when a test or an experiment swaps the module's function, the tree walks and calls it.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 # Called through the module object: a test that swaps the rule sees the change.
 from sglang_kda.cache import eviction as eviction_mod
+
+_RULE = eviction_mod.pick_victims  # the rule the incremental pick reproduces
 
 
 class TreeIntegrityError(AssertionError):
@@ -61,6 +74,8 @@ class Node:
     last_access: int = 0
     serial: int = 0  # creation order: a deterministic tie-break
     state_access: int = 0  # tick of the checkpoint's last insert or hit (the eviction rule's)
+    recency: int = 0  # the most recent last_access in this node's subtree (LRU's key)
+    gap: int = 0  # checkpoint: depth - depth of the nearest checkpointed ancestor (root: 0)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -125,6 +140,19 @@ class RadixTree:
         self.clock = 0
         self._serial = 0
         self.stats = TreeStats()
+        self._index_reset()
+
+    def _index_reset(self) -> None:
+        # checkpointed nodes, oldest state_access first (ties: shallower first, as inserted)
+        self._ckpts: OrderedDict = OrderedDict()
+        self._gaps: dict = {}  # gap -> count, over the unlocked checkpoints
+        # gap -> heap of (state_access, depth, serial, node) of the unlocked checkpoints with
+        # that gap, lazy (an entry whose node moved on is dropped when it comes to the top)
+        self._by_gap: dict = {}
+        self._by_gap_entries = 0
+        self._lru_ckpt: list = []  # (recency, -depth, serial, seq, node), lazy
+        self._lru_leaf: list = []  # the same, for unlocked leaves
+        self._seq = itertools.count()
 
     # -- helpers ------------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -132,9 +160,105 @@ class RadixTree:
         return self.clock
 
     def _touch(self, node: Node, t: int) -> None:
-        # Only the node: an ancestor's recency is the most recent of its subtree, derived when
-        # eviction needs it (:meth:`_walk`), so touching a 10,000-node path costs O(1).
         node.last_access = t
+        self._bump(node, t)
+
+    @staticmethod
+    def _bump(node: Optional[Node], t: int) -> None:
+        """``t`` is the newest tick: the recency of ``node`` and of every ancestor."""
+        while node is not None and node.recency < t:
+            node.recency = t
+            node = node.parent
+
+    # -- the incremental eviction index -------------------------------------------------------
+    def _push(self, heap: list, node: Node) -> None:
+        heapq.heappush(heap, (node.recency, -node.depth, node.serial, next(self._seq), node))
+
+    def _gap_add(self, node: Node) -> None:
+        """``node`` (an unlocked checkpoint) joins the candidates of its gap."""
+        gap = node.gap
+        self._gaps[gap] = self._gaps.get(gap, 0) + 1
+        self._file(node)
+
+    def _file(self, node: Node) -> None:
+        heap = self._by_gap.get(node.gap)
+        if heap is None:
+            heap = self._by_gap[node.gap] = []
+        heapq.heappush(heap, (node.state_access, node.depth, node.serial, node))
+        self._by_gap_entries += 1
+
+    def _gap_remove(self, gap: int) -> None:
+        c = self._gaps[gap] - 1
+        if c:
+            self._gaps[gap] = c
+        else:
+            del self._gaps[gap]
+            self._by_gap_entries -= len(self._by_gap.pop(gap, ()))
+
+    def _oldest(self, gap: int) -> Node:
+        """The unlocked checkpoint with this gap and the oldest (state_access, depth)."""
+        heap = self._by_gap[gap]
+        while True:
+            t, _, _, n = heap[0]
+            if n.checkpoint and n.lock_own == 0 and n.gap == gap and n.state_access == t:
+                return n
+            heapq.heappop(heap)
+            self._by_gap_entries -= 1
+
+    def _set_gap(self, node: Node, gap: int) -> None:
+        if node.lock_own == 0:
+            self._gap_remove(node.gap)
+            node.gap = gap
+            self._gap_add(node)
+        else:
+            node.gap = gap
+
+    @staticmethod
+    def _ancestor_depth(node: Node) -> int:
+        """Depth of the nearest checkpointed proper ancestor (the root: 0)."""
+        p = node.parent
+        while p is not None and not p.checkpoint:
+            p = p.parent
+        return 0 if p is None else p.depth
+
+    @staticmethod
+    def _heirs(node: Node) -> list:
+        """The checkpoints below ``node`` with no checkpoint between them and it."""
+        out, stack = [], list(node.children.values())
+        while stack:
+            c = stack.pop()
+            if c.checkpoint:
+                out.append(c)
+            else:
+                stack.extend(c.children.values())
+        return out
+
+    def _add_checkpoint(self, node: Node) -> None:
+        node.checkpoint = True
+        self.n_checkpoints += 1
+        node.gap = node.depth - self._ancestor_depth(node)
+        self._ckpts[node] = None
+        if node.lock_own == 0:
+            self._gap_add(node)
+            self._push(self._lru_ckpt, node)
+        for h in self._heirs(node):
+            self._set_gap(h, h.depth - node.depth)
+
+    def _drop_checkpoint(self, node: Node) -> None:
+        node.checkpoint = False
+        self.n_checkpoints -= 1
+        del self._ckpts[node]
+        if node.lock_own == 0:
+            self._gap_remove(node.gap)
+        above = node.depth - node.gap
+        for h in self._heirs(node):
+            self._set_gap(h, h.depth - above)
+
+    def _state_touched(self, node: Node, t: int) -> None:
+        node.state_access = t
+        self._ckpts.move_to_end(node)
+        if node.lock_own == 0:
+            self._file(node)
 
     def _walk(self) -> tuple[list, dict, dict]:
         """Post-order figures of every node: (nodes, recency = the most recent access in its
@@ -183,6 +307,7 @@ class RadixTree:
             parent=parent,
             depth=node.depth - len(node.key) + at,
             last_access=node.last_access,
+            recency=node.recency,
         )
         parent.children[upper.key[0]] = upper
         node.key = node.key[at:]
@@ -220,7 +345,7 @@ class RadixTree:
         t = self._tick()
         self._touch(best, t)
         if best.checkpoint:  # a hit: the state's recency for the eviction rule
-            best.state_access = t
+            self._state_touched(best, t)
         return Match(best, best.depth, kv)
 
     def path_ids(self, node: Node) -> tuple:
@@ -278,6 +403,7 @@ class RadixTree:
         t = self._tick()
         new = 0
         mi = 0
+        created: list = []
         while pos < n_ids:
             # The end of this step: the next checkpoint mark or the end of the ids.
             while mi < len(marks) and marks[mi] <= pos:
@@ -289,6 +415,7 @@ class RadixTree:
                 child = Node(ids[pos:stop], node, depth=stop, last_access=t, serial=self._serial)
                 node.children[ids[pos]] = child
                 self.n_tokens += stop - pos
+                created.append(child)
             else:
                 n = self._common(child.key, ids, pos, n_ids)
                 stop_mark = marks[mi] - pos if mi < len(marks) else None
@@ -299,12 +426,14 @@ class RadixTree:
             child.last_access = t
             node, pos = child, child.depth
             if mi < len(marks) and marks[mi] == pos:
-                node.state_access = t
                 if not node.checkpoint:
-                    node.checkpoint = True
-                    self.n_checkpoints += 1
+                    self._add_checkpoint(node)
                     new += 1
-        self._touch(node, t)
+                self._state_touched(node, t)
+        self._touch(node, t)  # the recency of the whole path
+        for c in created:
+            if not c.children:
+                self._push(self._lru_leaf, c)
         self.stats.checkpoints_inserted += new
         if enforce:
             self.enforce_caps()  # LRU: what was just inserted goes last
@@ -312,12 +441,20 @@ class RadixTree:
 
     def lock(self, node: Node) -> Node:
         node.lock_own += 1
+        if node.lock_own == 1 and node.checkpoint:
+            self._gap_remove(node.gap)
         return node
 
     def unlock(self, node: Node) -> None:
         if node.lock_own <= 0:
             raise TreeIntegrityError("unlock of a node that is not locked")
         node.lock_own -= 1
+        if node.lock_own == 0:
+            if node.checkpoint:
+                self._gap_add(node)
+                self._push(self._lru_ckpt, node)
+            if not node.children and node is not self.root:
+                self._push(self._lru_leaf, node)
 
     def enforce_caps(self) -> None:
         """Evict down to the caps (checkpoints by the tree's rule, KV by LRU)."""
@@ -335,53 +472,122 @@ class RadixTree:
         checkpoint with it (a state is never kept without its KV). Returns
         ``(checkpoints evicted, tokens evicted)``; less than asked when everything left is
         locked.
+
+        LRU keys are (recency, deeper first, creation order), the recency of a node being the
+        most recent access in its subtree as it stood when the call began (a parent left a leaf
+        by the call is keyed by its recency with the children it had).
         """
         done_c = done_t = 0
         if checkpoints <= 0 and tokens <= 0:
             return 0, 0
-        order, recency, locked = self._walk()
         if checkpoints > 0 and self.alpha is not None:
             done_c = self._evict_by_rule(checkpoints)
         elif checkpoints > 0:
-            cands = [
-                (recency[id(n)], -n.depth, n.serial, n)
-                for n in order
-                if n.checkpoint and n.lock_own == 0
-            ]
-            heapq.heapify(cands)
-            while cands and done_c < checkpoints:
-                _, _, _, n = heapq.heappop(cands)
-                n.checkpoint = False
-                self.n_checkpoints -= 1
+            heap = self._lru_ckpt
+            while heap and done_c < checkpoints:
+                n = self._pop_lru(heap, lambda n: n.checkpoint and n.lock_own == 0)
+                if n is None:
+                    break
+                self._drop_checkpoint(n)
                 done_c += 1
+            self._maybe_rebuild()
         if tokens > 0:
-            leaves = [
-                (recency[id(n)], -n.depth, n.serial, n)
-                for n in order
-                if n is not self.root and not n.children and n.lock_own == 0
-            ]
-            heapq.heapify(leaves)
-            while leaves and done_t < tokens:
-                _, _, _, n = heapq.heappop(leaves)
+            heap = self._lru_leaf
+            parents = []
+            while heap and done_t < tokens:
+                n = self._pop_lru(heap, self._is_leaf_candidate)
+                if n is None:
+                    break
                 parent = n.parent
+                if n.checkpoint:
+                    self._drop_checkpoint(n)  # a leaf: no heirs
+                    done_c += 1
                 del parent.children[n.key[0]]
                 n.parent = None
                 self.n_tokens -= len(n.key)
                 done_t += len(n.key)
                 self.stats.nodes_evicted += 1
-                if n.checkpoint:
-                    self.n_checkpoints -= 1
-                    done_c += 1
+                parents.append(parent)
                 if parent is not self.root and not parent.children and parent.lock_own == 0:
-                    heapq.heappush(
-                        leaves, (recency[id(parent)], -parent.depth, parent.serial, parent)
-                    )
+                    self._push(heap, parent)  # keyed by its recency before the call
+            self._recompute_recency(parents)
+            self._maybe_rebuild()
         self.stats.checkpoints_evicted += done_c
         self.stats.tokens_evicted += done_t
         return done_c, done_t
 
+    def _is_leaf_candidate(self, n: Node) -> bool:
+        return n.parent is not None and not n.children and n.lock_own == 0
+
+    def _pop_lru(self, heap: list, valid) -> Optional[Node]:
+        """The valid node with the lowest (recency, -depth, serial). Entries are lazy: a node's
+        recency only grows between calls unless :meth:`_recompute_recency` lowers it (which
+        pushes a fresh entry), so an entry below the node's recency is re-pushed at it and one
+        above is stale (the node has a lower entry)."""
+        while heap:
+            rec, nd, serial, _, n = heapq.heappop(heap)
+            if not valid(n):
+                continue
+            if rec < n.recency:
+                heapq.heappush(heap, (n.recency, nd, serial, next(self._seq), n))
+                continue
+            if rec > n.recency:
+                continue
+            return n
+        return None
+
+    def _recompute_recency(self, parents: list) -> None:
+        """After KV evictions: the recency of the nodes that lost children (and of their
+        ancestors) is the most recent access in what is left below them."""
+        todo = {id(p): p for p in parents if p.parent is not None or p is self.root}
+        heap = [(-p.depth, p.serial, p) for p in todo.values()]
+        heapq.heapify(heap)
+        done: set = set()
+        while heap:
+            _, _, p = heapq.heappop(heap)
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            r = max([p.last_access] + [c.recency for c in p.children.values()])
+            if r == p.recency:
+                continue
+            p.recency = r
+            if p is self.root or p.parent is None:
+                continue
+            if p.lock_own == 0:
+                if p.checkpoint:
+                    self._push(self._lru_ckpt, p)
+                if not p.children:
+                    self._push(self._lru_leaf, p)
+            q = p.parent
+            if id(q) not in done:
+                heapq.heappush(heap, (-q.depth, q.serial, q))
+
+    def _maybe_rebuild(self) -> None:
+        """Drop the lazy heaps' dead entries once they outnumber the live ones."""
+        live = len(self._ckpts) + 64
+        if self._by_gap_entries > 4 * live:
+            self._by_gap = {}
+            self._by_gap_entries = 0
+            for n in self._ckpts:
+                if n.lock_own == 0:
+                    self._file(n)
+        if len(self._lru_ckpt) > 4 * live:
+            self._lru_ckpt = []
+            for n in self._ckpts:
+                if n.lock_own == 0:
+                    self._push(self._lru_ckpt, n)
+        if len(self._lru_leaf) > 4 * live + 4 * 4096:
+            self._lru_leaf = []
+            for n in self.nodes():
+                if n is not self.root and self._is_leaf_candidate(n):
+                    self._push(self._lru_leaf, n)
+
     def _evict_by_rule(self, n: int) -> int:
         """Drop up to ``n`` unlocked checkpoints chosen by ``eviction.pick_victims``."""
+        if eviction_mod.pick_victims is _RULE:
+            return self._pick_by_rule(n)
+        # The module's function was swapped: walk the tree for its candidates and call it.
         cands, by_id = [], {}
         stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
         while stack:
@@ -405,10 +611,42 @@ class RadixTree:
             stack.extend((c, anc) for c in reversed(list(node.children.values())))
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
-            node = by_id[nid]
-            node.checkpoint = False
-            self.n_checkpoints -= 1
+            self._drop_checkpoint(by_id[nid])
         return len(victims)
+
+    def _pick_by_rule(self, n: int) -> int:
+        """:func:`eviction.pick_victims` on the unlocked checkpoints, without building them.
+
+        Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all
+        times are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha *
+        v / vmax``; lowest score, then oldest, then shallowest. ``v`` grows with the gap, so
+        ``vmax`` is the largest gap's; among checkpoints with equal gaps the oldest (then the
+        shallowest) scores lowest, so only each gap's oldest is scored (the unlocked checkpoints
+        are filed by gap, oldest first). ``(state_access, depth)`` is unique (one insert marks
+        one path, a hit one node), so no tie goes further. A victim's checkpoint
+        is dropped at once, so the checkpoints that had it as nearest ancestor inherit its
+        ancestor (their gap grows), as the rule's rescoring does.
+        """
+        grid, per, nbytes = eviction_mod.GRID, self.kda_layers, max(self.state_nbytes, 1)
+        alpha = self.alpha
+        done = 0
+        while done < n and self._gaps:
+            tops = [(g, self._oldest(g)) for g in self._gaps]
+            lo = min(x.state_access for _, x in tops)
+            hi = next(x for x in reversed(self._ckpts) if x.lock_own == 0).state_access
+            span = hi - lo
+            vmax = max(max(self._gaps), 0) / grid * per / nbytes
+            best = None
+            for g, x in tops:
+                rec = (x.state_access - lo) / span if span > 0 else 1.0
+                v = max(g, 0) / grid * per / nbytes
+                key = (rec + alpha * (v / vmax if vmax > 0 else 0.0), x.state_access, x.depth)
+                if best is None or key < best[0]:
+                    best = (key, x)
+            self._drop_checkpoint(best[1])
+            done += 1
+        self._maybe_rebuild()
+        return done
 
     def reset(self) -> None:
         """Drop everything (``/flush_cache``); refused while locks are held."""
@@ -416,8 +654,30 @@ class RadixTree:
             raise TreeIntegrityError("reset while locks are held")
         self.root = Node()
         self.n_checkpoints = self.n_tokens = 0
+        self._index_reset()
 
     # -- integrity ----------------------------------------------------------------------------
+    def _check_index(self, order: list, recency: dict, fail) -> None:
+        """The incremental eviction index against a walk: recency, gaps, the checkpoints in
+        order of their last insert or hit, the gap counts."""
+        ckpts = [n for n in order if n.checkpoint]
+        for n in order:
+            if n is not self.root and n.recency != recency[id(n)]:
+                fail(f"recency {n.recency} != {recency[id(n)]} walked")
+        gaps: dict = {}
+        for n in ckpts:
+            if n.gap != n.depth - self._ancestor_depth(n):
+                fail(f"gap {n.gap} != {n.depth - self._ancestor_depth(n)} walked")
+            if n.lock_own == 0:
+                gaps[n.gap] = gaps.get(n.gap, 0) + 1
+        if set(map(id, self._ckpts)) != set(map(id, ckpts)) or len(self._ckpts) != len(ckpts):
+            fail("the checkpoint index is not the tree's checkpoints")
+        seen = [(n.state_access, n.depth) for n in self._ckpts]
+        if seen != sorted(seen):
+            fail("the checkpoint index is out of order")
+        if gaps != self._gaps:
+            fail("gap counts are not the tree's")
+
     def integrity(self, expected_locks: int | None = None) -> dict:
         """Walk the tree and check it; raises :class:`TreeIntegrityError` on the first fault.
 
@@ -461,8 +721,9 @@ class RadixTree:
                 tokens += len(c.key)
                 ckpts += c.checkpoint
                 stack.append(c)
-        _, _, locked_below = self._walk()
+        _, recency, locked_below = self._walk()
         held = sum(n.lock_own for n in order)
+        self._check_index(order, recency, fail)
         if tokens != self.n_tokens:
             fail(f"token counter {self.n_tokens} != {tokens} walked")
         if ckpts != self.n_checkpoints:
