@@ -15,8 +15,8 @@ How: ``TritonKDAKernel`` becomes the adapter of :func:`sglang_kda.kda_adapter.ma
     globals become the PyTorch ops in ``sglang_kda.kernels.conv_torch``. ``forward_extend``
     runs through :func:`sglang_kda.kda_adapter.capturing_extend`, which plans the states the
     kernel emits: SGLang's ``extra_buffer`` track snapshot (any policy) and, with
-    ``--kda-policy kda``, the grid checkpoints of each KDA layer (the grid is set on the class
-    as ``_sglang_kda_capture_every``). The capture travels with the batch's result
+    ``--kda-policy kda``, the grid checkpoints of each KDA layer (``--kda-checkpoint-every`` is
+    set on the class; each backend applies the one spacing rule at its page size). The capture travels with the batch's result
     (``patches/tp_worker.py`` hands it over, ``patches/batch_result_processor.py`` reads it).
 Seam: rebinding module globals and one method; upstream's stay reachable as ``_orig_*``. Not
     ``HookRegistry``: the kernel class and conv functions are looked up as module globals at
@@ -58,8 +58,9 @@ def apply(ctx) -> None:
         LinearAttnKernelBase, ctx.kernel, upstream=upstream
     )
     backend = mod.KDAAttnBackend
-    every = ctx.config.checkpoint_every_tokens() if ctx.config.policy == "kda" else 0
-    setattr(backend, kda_adapter.EVERY_ATTR, every)
+    # the kernel's spacing follows the one rule at the KV pool's page size (capture_every)
+    flag = ctx.config.checkpoint_every if ctx.config.policy == "kda" else None
+    setattr(backend, kda_adapter.FLAG_ATTR, flag)
     orig = backend._orig_forward_extend = backend.forward_extend
 
     @functools.wraps(orig)

@@ -331,13 +331,12 @@ class KDAConfig:
             raise ConfigError("--kda-budget serial needs --kda-policy kda")
 
     def checkpoint_every_tokens(self, page_size: int = 1) -> int:
-        """Checkpoint spacing: ``--kda-checkpoint-every`` rounded up to a multiple of the grid
-        ``max(64, page_size)`` (the grid itself when 0)."""
-        from sglang_kda.policy.grid import checkpoint_grid
+        """Checkpoint spacing at this page size (:func:`sglang_kda.policy.grid.checkpoint_spacing`:
+        the grid ``max(64, page_size)`` when 0; a spacing off that grid raises ``GridError``
+        naming both flags, which the launcher reports at start)."""
+        from sglang_kda.policy.grid import checkpoint_spacing
 
-        grid = checkpoint_grid(page_size)
-        every = self.checkpoint_every or grid
-        return -(-every // grid) * grid
+        return checkpoint_spacing(self.checkpoint_every, page_size)
 
     def to_env(self) -> dict[str, str]:
         """Every setting as ``SGLANG_KDA_*`` text, for the processes SGLang spawns."""

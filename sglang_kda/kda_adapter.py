@@ -39,7 +39,29 @@ from sglang_kda.cache.capture import KERNEL_CHUNK, ExtendPlan, ForwardCapture
 RESULT_ATTR = "sglang_kda_capture"
 """The attribute of SGLang's batch result that carries the forward's capture."""
 EVERY_ATTR = "_sglang_kda_capture_every"
-"""Class attribute of ``KDAAttnBackend`` set by the patch: the cache's grid (0: no capture)."""
+"""The spacing a ``KDAAttnBackend`` captures at (0: no capture), set on the instance at its first
+extend from :data:`FLAG_ATTR` and its KV pool's page size."""
+FLAG_ATTR = "_sglang_kda_checkpoint_every_flag"
+"""Class attribute of ``KDAAttnBackend`` set by the patch: ``--kda-checkpoint-every`` under the
+kda policy (None: no capture)."""
+
+
+def capture_every(backend) -> int:
+    """The spacing this backend's kernel captures at: the one rule
+    (:func:`sglang_kda.policy.grid.checkpoint_spacing`) at the KV pool's page size, the same the
+    tree and the scheduler use; 0 when nothing is captured. Computed once per backend."""
+    every = backend.__dict__.get(EVERY_ATTR)
+    if every is None:
+        flag = getattr(type(backend), FLAG_ATTR, None)
+        if flag is None:
+            every = int(getattr(backend, EVERY_ATTR, 0) or 0)
+        else:
+            from sglang_kda.policy.grid import checkpoint_spacing
+
+            pool = getattr(backend, "token_to_kv_pool", None)
+            every = checkpoint_spacing(int(flag), int(getattr(pool, "page_size", 1) or 1))
+        setattr(backend, EVERY_ATTR, every)
+    return int(every)
 
 
 @dataclass
@@ -66,7 +88,7 @@ class ForwardRecorder:
             self._plan = ExtendPlan.build(
                 forward_batch.extend_prefix_lens_cpu,
                 forward_batch.extend_seq_lens_cpu,
-                int(getattr(backend, EVERY_ATTR, 0) or 0),
+                capture_every(backend),
                 _track_chunks(backend, forward_batch),
             )
         return self._plan

@@ -452,6 +452,25 @@ def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str
     return dataclasses.replace(config, checkpoint_every=plan.every), note
 
 
+def spacing_error(config: KDAConfig, server_args, cpu_engine: bool) -> str | None:
+    """Why ``--kda-checkpoint-every`` cannot run at the server's page size (None when it can):
+    the kernel, the tree and the scheduler all space checkpoints by one rule
+    (:func:`sglang_kda.policy.grid.checkpoint_spacing`), which needs a multiple of the grid
+    ``max(64, page size)``. On CUDA the page size is SGLang's resolved one."""
+    if config.policy != "kda":
+        return None
+    from sglang_kda.policy.grid import GridError
+
+    if not cpu_engine and hasattr(server_args, "resolve_once"):
+        server_args.resolve_once()  # run_server's own call is then a no-op
+    page = int(resolved(server_args, "page_size") or 1)
+    try:
+        config.checkpoint_every_tokens(page)
+    except GridError as e:
+        return str(e)
+    return None
+
+
 def print_help() -> None:
     from sglang.srt.server_args import ServerArgs
 
@@ -513,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         config, note = cuda_checkpoint_plan(config, server_args)
         os.environ.update(config.to_env())  # before SGLang spawns its ranks, which read it
         print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
+    bad_spacing = spacing_error(config, server_args, cpu_engine)
+    if bad_spacing:
+        print(f"sglang_kda.launch_server: error: {bad_spacing}", file=sys.stderr)
+        return 2
     if cpu_engine:  # before SGLang spawns its ranks, which read it
         bind_env, note = cpu_threads_bind_env(server_args)
         if not bind_env:

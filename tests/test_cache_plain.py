@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from sglang_kda.cache.capture import ForwardCapture, conv_windows, grid_positions
 from sglang_kda.config import ConfigError, KDAConfig
 from sglang_kda.policy.admission import Leader, common_prefix_len, twin_gain
+from sglang_kda.policy.grid import GridError
 
 
 @given(st.integers(0, 1000), st.integers(1, 1000), st.sampled_from([64, 128, 256]))
@@ -71,10 +72,39 @@ def test_twin_waits_only_for_a_grid_step_a_leader_computes_now():
     assert twin_gain(ids[:128], 0, 127, [Leader(ids, 0, 900)], 64) == 64
 
 
+def test_one_spacing_rule_for_kernel_tree_and_scheduler():
+    """Page 128 with every 192 (issue 29: the kernel captured every 192, the tree kept only
+    positions on 256, one checkpoint in 768 tokens) is refused naming both flags; where it is
+    accepted, the kernel's spacing (capture_every, from the backend's KV page size) is the
+    tree's and the scheduler's (KDAConfig.checkpoint_every_tokens)."""
+    from types import SimpleNamespace
+
+    from sglang_kda import kda_adapter
+    from sglang_kda.launch_server import spacing_error
+
+    with pytest.raises(GridError, match="--kda-checkpoint-every 192.*--page-size 128"):
+        KDAConfig(checkpoint_every=192).checkpoint_every_tokens(page_size=128)
+    args = SimpleNamespace(page_size=128)
+    err = spacing_error(KDAConfig(checkpoint_every=192), args, cpu_engine=True)
+    assert "--kda-checkpoint-every 192" in err and "--page-size 128" in err
+    assert spacing_error(KDAConfig(checkpoint_every=256), args, cpu_engine=True) is None
+    assert spacing_error(KDAConfig(checkpoint_every=192, policy="stock"), args, True) is None
+    for flag, page, expected in [(0, 1, 64), (0, 128, 128), (256, 128, 256), (192, 64, 192)]:
+        backend_cls = type("Backend", (), {kda_adapter.FLAG_ATTR: flag})
+        backend = backend_cls()
+        backend.token_to_kv_pool = SimpleNamespace(page_size=page)
+        assert kda_adapter.capture_every(backend) == expected
+        assert KDAConfig(checkpoint_every=flag).checkpoint_every_tokens(page) == expected
+    off = type("Backend", (), {kda_adapter.FLAG_ATTR: None})()
+    assert kda_adapter.capture_every(off) == 0  # stock policy: no capture
+
+
 def test_checkpoint_flags_are_validated():
     assert KDAConfig(checkpoint_every=0).checkpoint_every_tokens() == 64
     assert KDAConfig(checkpoint_every=192).checkpoint_every_tokens() == 192
-    assert KDAConfig(checkpoint_every=64).checkpoint_every_tokens(page_size=128) == 128
+    assert KDAConfig(checkpoint_every=0).checkpoint_every_tokens(page_size=128) == 128
+    with pytest.raises(GridError, match="--kda-checkpoint-every 64.*--page-size 128"):
+        KDAConfig(checkpoint_every=64).checkpoint_every_tokens(page_size=128)
     for bad in ("65", "-64", "x"):
         with pytest.raises(ConfigError, match="--kda-checkpoint-every"):
             KDAConfig(checkpoint_every=bad)

@@ -62,6 +62,10 @@ REFUSED = {
     "prefill_graph": (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
     "hicache": (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
     "dp_attention": (["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
+    "spacing": (
+        ["--page-size", "128", "--kda-checkpoint-every", "192"],
+        "--kda-checkpoint-every 192 must be 0 or a multiple of the checkpoint grid 128",
+    ),
 }
 
 

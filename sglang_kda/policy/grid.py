@@ -35,6 +35,24 @@ def checkpoint_grid(page_size: int, kernel_chunk: int = KDA_KERNEL_CHUNK) -> int
     return big
 
 
+def checkpoint_spacing(every: int, page_size: int = 1, kernel_chunk: int = KDA_KERNEL_CHUNK) -> int:
+    """The one spacing rule: the positions the kernel captures, the tree keeps and twins wait
+    for are the multiples of this. ``every`` (``--kda-checkpoint-every``) 0 means the grid
+    ``max(kernel_chunk, page_size)``; otherwise it must be a multiple of that grid, or
+    :class:`GridError` names both flags (a spacing off the grid would be captured by the kernel
+    at one set of positions and kept by the tree at another: page 128 with every 192 kept one
+    checkpoint in 768 tokens)."""
+    grid = checkpoint_grid(page_size, kernel_chunk)
+    if every == 0:
+        return grid
+    if every < 0 or every % grid:
+        raise GridError(
+            f"--kda-checkpoint-every {every} must be 0 or a multiple of the checkpoint grid "
+            f"{grid} (max(64, --page-size {page_size}))"
+        )
+    return every
+
+
 def aligned_chunk_len(prefix_len: int, budget: int, remaining: int, grid: int) -> int:
     """Tokens to prefill this round for a request with ``prefix_len`` tokens already done.
 
