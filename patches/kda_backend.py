@@ -16,7 +16,8 @@ How: ``TritonKDAKernel`` becomes the adapter of :func:`sglang_kda.kda_adapter.ma
     runs through :func:`sglang_kda.kda_adapter.capturing_extend`, which plans the states the
     kernel emits: SGLang's ``extra_buffer`` track snapshot (any policy) and, with
     ``--kda-policy kda``, the grid checkpoints of each KDA layer (``--kda-checkpoint-every`` is
-    set on the class; each backend applies the one spacing rule at its page size). The capture travels with the batch's result
+    set on the class; each backend applies the one spacing rule at its page size). The
+    capture travels with the batch's result
     (``patches/tp_worker.py`` hands it over, ``patches/batch_result_processor.py`` reads it).
 Seam: rebinding module globals and one method; upstream's stay reachable as ``_orig_*``. Not
     ``HookRegistry``: the kernel class and conv functions are looked up as module globals at
