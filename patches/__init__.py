@@ -45,6 +45,7 @@ PATCH_MODULES = (
     "hybrid_linear_attn_backend",
     "schedule_batch",
     "disaggregation_mooncake",
+    "disaggregation_prefill",
 )
 
 _applied: list[str] = []
