@@ -225,6 +225,7 @@ def test_decode_killed_mid_transfer(pd, tiny_model_dir):
     os.killpg(decode.proc.pid, signal.SIGKILL)
     thread.join(FAULT_TIMEOUT_S + 10)
     decode.stop()
+    print(f"[pd] decode killed mid-transfer: client {result}", flush=True)
     assert result.get("status") != 200 and result, result  # an error, not a hang or a success
     assert result["seconds"] < 60, result
 
