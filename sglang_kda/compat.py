@@ -224,16 +224,9 @@ def _linear_attn_backends(server_args: Any, policy_kda: bool, kernel: str) -> li
 def _state_pool_variants(server_args: Any, policy_kda: bool) -> list[Refusal]:
     if not policy_kda:
         return []
+    # --enable-int8-mamba-checkpoint is supported: grid checkpoints are quantised into SGLang's
+    # int8 checkpoint pool (sglang_kda/cache/checkpoints.py, _write_int8_checkpoint).
     out = []
-    if getattr(server_args, "enable_int8_mamba_checkpoint", False):
-        out.append(
-            Refusal(
-                "--enable-int8-mamba-checkpoint",
-                "SGLang's int8 checkpoint pool keeps the tree's states in a separate, quantised "
-                "pool, while the kda policy inserts its fp32 grid checkpoints as slots of the "
-                "active state pool: the tree would read them as int8 slots; " + USE_STOCK,
-            )
-        )
     if getattr(server_args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
         out.append(
             Refusal(
@@ -252,7 +245,7 @@ SUPPORT_TABLE: tuple[tuple[str, str], ...] = (
     ("prefill CUDA graphs (--cuda-graph-backend-prefill, ...)", "refused"),
     ("--enable-dp-attention / --attn-dp-size > 1", "refused under the kda policy"),
     ("--enable-hierarchical-cache", "refused under the kda policy"),
-    ("--enable-int8-mamba-checkpoint", "refused under the kda policy"),
+    ("--enable-int8-mamba-checkpoint", "supported: grid checkpoints quantised into its pool"),
     ("--mamba-radix-cache-strategy extra_buffer_lazy", "refused under the kda policy"),
     ("--linear-attn-prefill-backend (or --linear-attn-backend) other than triton",
      "refused with sglang_kda's kernel; --kda-kernel upstream runs it (no checkpoints)"),

@@ -49,7 +49,6 @@ def kimi_linear_48b_config() -> dict:
 
 
 REFUSED = {
-    "int8": (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
     "lazy": (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
     "flashkda": (["--linear-attn-prefill-backend", "flashkda"], "--linear-attn-prefill-backend"),
     "backend": (["--linear-attn-backend", "cutedsl"], "--linear-attn-backend cutedsl"),
@@ -88,7 +87,8 @@ def launches(tiny_model_dir, tmp_path_factory) -> dict:
             "8",
             "--linear-attn-decode-backend",
             "cutedsl",
-        ],  # fmt: skip
+        ],
+        "int8": ["--model-path", str(big), "--tp", "8", "--enable-int8-mamba-checkpoint"],
         **{k: ["--model-path", str(big), "--tp", "8", *argv] for k, (argv, _) in REFUSED.items()},
     }
     proc = subprocess.run(
@@ -156,6 +156,11 @@ def test_any_linear_attention_decode_backend_is_accepted(launches):
     """Decode takes no checkpoints: SGLang's decode backends run as they are."""
     r = _ok(launches["decode_backend"])
     assert r["linear_attn_decode_backend"] == "cutedsl"
+
+
+def test_int8_checkpoints_start(launches):
+    """Supported (tests/server/test_int8_checkpoints.py runs them): the start goes through."""
+    _ok(launches["int8"])
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

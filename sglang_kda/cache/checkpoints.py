@@ -166,11 +166,13 @@ def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional
     layer_ids = list(mamba_pool.mamba_layer_ids)
     if row is None or sorted(cap.layers) != sorted(layer_ids):
         return None
+    if int8_pool(cache) is not None:
+        return _write_int8_checkpoint(cache, cap, row, layer_ids, alpha)
     slot = pool.mamba_allocator.alloc(1)
-    if slot is None and alpha is not None and evict_states(cache, 1, alpha) > 0:
+    if slot is None and alpha is not None and _evicted(evict_states(cache, 1, alpha)) > 0:
         slot = pool.mamba_allocator.alloc(1)
     if slot is None:
-        cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+        _evicted(cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1)))
         slot = pool.mamba_allocator.alloc(1)
     if slot is None:
         STATS.add("checkpoints_skipped_no_slot")
@@ -182,6 +184,46 @@ def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional
         lc = cap.layers[layer_id]
         temporal[li, phys] = lc.states[row].to(temporal.dtype)
         conv[li, phys] = lc.conv[row].to(conv.dtype)
+    return slot
+
+
+def _evicted(result) -> int:
+    """Count the tree states an eviction made room with (``checkpoints_evicted``): ``result``
+    is :func:`evict_states`' count or SGLang's ``EvictResult``."""
+    n = result if isinstance(result, int) else int(getattr(result, "mamba_num_evicted", 0) or 0)
+    if n > 0:
+        STATS.add("checkpoints_evicted", n)
+    return n
+
+
+def int8_pool(tree_cache):
+    """SGLang's int8 checkpoint pool (``--enable-int8-mamba-checkpoint``: the tree's states live
+    there, quantised, apart from the active pool), or None."""
+    return getattr(tree_cache.req_to_token_pool, "mamba_ckpt_pool", None)
+
+
+def _write_int8_checkpoint(cache, cap, row: int, layer_ids, alpha) -> Optional[torch.Tensor]:
+    """A slot of the int8 checkpoint pool holding the captured checkpoint, quantised the way
+    SGLang quantises a donated active state (from the active pool's temporal dtype; conv rows
+    at the pool's dtype); None when no slot can be had. Evicts tree states (the only users of
+    that pool) by ``alpha``'s rule, else SGLang's LRU."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    ck = int8_pool(cache)
+    slot = ck.alloc(1)
+    if slot is None and alpha is not None and _evicted(evict_states(cache, 1, alpha)) > 0:
+        slot = ck.alloc(1)
+    if slot is None:
+        _evicted(cache.evict(EvictParams(num_tokens=0, mamba_num=1)))
+        slot = ck.alloc(1)
+    if slot is None:
+        STATS.add("checkpoints_skipped_no_slot")
+        return None
+    active = cache.req_to_token_pool.mamba_pool.mamba_cache
+    states = torch.stack([cap.layers[lid].states[row] for lid in layer_ids])
+    ck.temporal.store(slot.view(-1), states.to(active.temporal.dtype).unsqueeze(1))
+    conv = torch.stack([cap.layers[lid].conv[row] for lid in layer_ids])
+    ck.conv[0][:, slot.view(-1)] = conv.to(ck.conv[0].dtype).unsqueeze(1)
     return slot
 
 
@@ -238,10 +280,18 @@ def resume_in_flight(tree_cache, req) -> int:
     pool = tree_cache.req_to_token_pool
     pool.write((req.kv.req_pool_idx, slice(old, new_len)), indices[old:new_len].to(torch.int32))
     # A copy into the request's own live slot: the tree's checkpoint stays the tree's.
-    pool.mamba_pool.copy_from(
-        pool.translate_mamba_indices(src.view(-1)),
-        pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)),
-    )
+    ck = int8_pool(tree_cache)
+    if ck is not None:  # dequantised from the int8 checkpoint pool, as SGLang's hit does
+        ck.load_to_active(
+            pool.mamba_pool,
+            src.view(-1),
+            pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)),
+        )
+    else:
+        pool.mamba_pool.copy_from(
+            pool.translate_mamba_indices(src.view(-1)),
+            pool.translate_mamba_indices(req.kv.mamba_pool_idx.view(-1)),
+        )
     note_state(tree_cache, node, new_len)
     new_lock = tree_cache.lock(node)
     tree_cache.unlock(req.lock)
@@ -290,16 +340,28 @@ def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) ->
         raise IntegrityError(f"a state slot is held twice by the tree: {sorted(tree_vals)}")
     if len(set(live)) != len(live):
         raise IntegrityError(f"a state slot is held by two live requests: {sorted(live)}")
-    shared = set(tree_vals) & set(live)
+    ck = int8_pool(tree_cache)
+    # With int8 checkpoints the tree's slots are the checkpoint pool's, live ones the active
+    # pool's: two index spaces, each accounted for on its own.
+    shared = set() if ck is not None else set(tree_vals) & set(live)
     if shared:
         raise IntegrityError(f"live state slots referenced by the tree: {sorted(shared)}")
     total = int(getattr(allocator, "size", 0) or 0)
     free = int(allocator.available_size())
     used = total - free if total else None
-    if strict and used is not None and used != len(tree_vals) + len(live):
+    owned = len(live) if ck is not None else len(tree_vals) + len(live)
+    if strict and used is not None and used != owned:
         raise IntegrityError(
             f"state slots in use {used} != tree {len(tree_vals)} + live {len(live)} (orphans)"
+            if ck is None
+            else f"active state slots in use {used} != live {len(live)} (orphans)"
         )
+    if ck is not None:
+        ck_used = int(ck.num_slots) - int(ck.available_size())
+        if strict and ck_used != len(tree_vals):
+            raise IntegrityError(
+                f"int8 checkpoint slots in use {ck_used} != tree states {len(tree_vals)}"
+            )
     counted = held_states(tree_cache)
     if counted != len(tree_vals):
         raise IntegrityError(
@@ -411,6 +473,10 @@ def _has_state(tree_cache, node_id: int) -> bool:
 
 def state_nbytes(tree_cache) -> int:
     """Bytes of one KDA state slot (all layers: recurrent state + short-conv window)."""
+    ck = int8_pool(tree_cache)
+    if ck is not None:  # the tree's states are the int8 pool's
+        conv = sum(c[:, 0].numel() * c.element_size() for c in ck.conv)
+        return int(ck.temporal.bytes_per_slot()) + conv
     cache = tree_cache.req_to_token_pool.mamba_pool.mamba_cache
     if not cache.temporal.shape[1]:
         return 0
