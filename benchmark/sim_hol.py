@@ -51,6 +51,7 @@ import numpy as np
 
 from sglang_kda import harness
 from sglang_kda.harness import pyplot, save_png
+from sglang_kda.numbers import percentile
 from sglang_kda.policy.budget import BudgetConfig, round_budget
 from sglang_kda.policy.cost_model import BatchShape, Slice
 from sglang_kda.sim import costs as C
@@ -287,7 +288,7 @@ def gaps_overlapping(
 
 
 def pct(xs, q) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else math.nan
+    return percentile(list(xs), q)  # sglang_kda.numbers: the one definition
 
 
 def default_deadline(prompt_tokens: int) -> float:

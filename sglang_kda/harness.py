@@ -65,10 +65,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import requests
 
+from sglang_kda.numbers import percentile  # noqa: F401 - the one definition, re-exported
 from sglang_kda.process import stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
@@ -532,17 +533,7 @@ def stream_generate_sync(
 # --- Numbers and files ---------------------------------------------------------------------------
 
 
-def percentile(xs: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between the two nearest ranks,
-    numpy's default (``numpy.percentile(xs, q)``): the one definition every report uses, so
-    figures compare across reports. NaN for no data."""
-    s = sorted(xs)
-    if not s:
-        return math.nan
-    k = (len(s) - 1) * q / 100
-    lo = int(math.floor(k))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+# ``percentile`` lives in sglang_kda.numbers (one definition for every report).
 
 
 def write_csv(

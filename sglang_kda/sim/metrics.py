@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); NaN for no data."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+from sglang_kda.numbers import percentile  # noqa: E402,F401 - the one definition, re-exported
 
 
 def summarize_latencies(ttfts: Iterable[float], itls: Iterable[float]) -> dict:
