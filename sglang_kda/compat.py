@@ -62,22 +62,22 @@ def _speculative(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusa
 
 
 def _disaggregation(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    """PD disaggregation runs (tests/server/test_pd.py: CPU, Mooncake TCP): the prefill server
+    inserts its grid checkpoints after each disaggregated prefill (patches/
+    disaggregation_prefill.py); a decode server's batches arrive prefilled, so the kda policy
+    has nothing to act on there and it runs as stock. Refused: a decode server's own radix
+    cache under the kda policy, which has never run beside it."""
     mode = str(getattr(server_args, "disaggregation_mode", "null") or "null")
-    if not policy_kda or mode not in ("prefill", "decode"):
+    if not policy_kda or mode != "decode":
         return []
-    if mode == "prefill":
-        reason = (
-            "a PD prefill server finishes each prefill through "
-            "process_batch_result_disagg_prefill, never through process_batch_result_prefill, "
-            "where the kda policy inserts the checkpoints captured during the forward: they "
-            "would be computed and never cached, and twins would wait for them in vain"
+    if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+        return []
+    return [
+        Refusal(
+            "--disaggregation-decode-enable-radix-cache",
+            "a PD decode server's radix cache has never run under the kda policy; " + USE_STOCK,
         )
-    else:
-        reason = (
-            "a PD decode server receives its requests already prefilled (its PREBUILT batches "
-            "never enter a model forward), so the kda policy has nothing to act on there"
-        )
-    return [Refusal(f"--disaggregation-mode {mode}", f"{reason}; {USE_STOCK}")]
+    ]
 
 
 def prefill_graph_backend(server_args: Any) -> tuple[str, str] | None:
@@ -241,7 +241,9 @@ def _state_pool_variants(server_args: Any, policy_kda: bool) -> list[Refusal]:
 
 SUPPORT_TABLE: tuple[tuple[str, str], ...] = (
     ("--speculative-algorithm", "refused (kda policy or sglang_kda's kernel)"),
-    ("--disaggregation-mode prefill|decode", "refused under the kda policy"),
+    ("--disaggregation-mode prefill|decode",
+     "supported (CPU, Mooncake TCP: tests/server/test_pd.py); decode runs as stock; the decode "
+     "server's radix cache (--disaggregation-decode-enable-radix-cache) refused under kda"),
     ("prefill CUDA graphs (--cuda-graph-backend-prefill, ...)", "refused"),
     ("--enable-dp-attention / --attn-dp-size > 1", "refused under the kda policy"),
     ("--enable-hierarchical-cache", "refused under the kda policy"),

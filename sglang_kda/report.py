@@ -141,6 +141,11 @@ def cache_report(scheduler) -> dict:
     chunked = getattr(scheduler, "chunked_req", None)
     if chunked is not None:
         live.append(chunked)
+    # PD: requests whose KV and state are in transfer still hold their slots
+    live += list(getattr(scheduler, "disagg_prefill_inflight_queue", None) or [])
+    for name in ("disagg_decode_prealloc_queue", "disagg_decode_transfer_queue"):
+        queue = getattr(getattr(scheduler, name, None), "queue", None) or []
+        live += [d.req for d in queue if getattr(d, "req", None) is not None]
     live = list({id(r): r for r in live}.values())
     try:
         out["integrity"] = integrity_report(tree, live, strict=True)

@@ -22,12 +22,11 @@ STOCK = KDAConfig(policy="stock")
 # flags -> (the flag the refusal names, a word of its reason)
 REFUSED_UNDER_KDA = {
     "speculative": (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm", "verify"),
-    "pd-prefill": (
-        ["--disaggregation-mode", "prefill"],
-        "--disaggregation-mode prefill",
-        "process_batch_result_disagg_prefill",
+    "pd-decode-radix": (
+        ["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache"],
+        "--disaggregation-decode-enable-radix-cache",
+        "radix",
     ),
-    "pd-decode": (["--disaggregation-mode", "decode"], "--disaggregation-mode decode", "PREBUILT"),
     "prefill-graph": (
         ["--cuda-graph-backend-prefill", "breakable"],
         "--cuda-graph-backend-prefill",
@@ -112,7 +111,8 @@ def test_prefill_graph_follows_sglangs_precedence(parse):
 
 def test_every_refusal_is_listed(parse):
     argv = [
-        *("--speculative-algorithm", "NGRAM", "--disaggregation-mode", "prefill"),
+        *("--speculative-algorithm", "NGRAM", "--disaggregation-mode", "decode"),
+        "--disaggregation-decode-enable-radix-cache",
         *("--cuda-graph-backend-prefill", "breakable", "--tp", "2", "--attn-dp-size", "2"),
         "--enable-hierarchical-cache",
     ]
