@@ -293,6 +293,16 @@ class KDAConfig:
         "per round near the budget), and decode pays the difference; a prefill ahead of the "
         "pace keeps the round budget. `0` = the round budget alone decides.",
     )
+    max_round_ms: float = flag(
+        250.0,
+        milliseconds(positive=False),
+        "ms >= 0",
+        "Under `--kda-budget serial`, with no decode running a prefill round's predicted step is "
+        "kept within this many ms (the longest grid-aligned slice that fits; the largest slice "
+        "when the prompt's deadline needs it), so a request arriving during a long prefill waits "
+        "about one such round for its turn instead of a whole `--chunked-prefill-size` round. "
+        "Each extra round costs the step's fixed cost. `0` = the largest slice.",
+    )
     ttft_deadline_ms: float = flag(
         10_000.0,
         milliseconds(positive=True),

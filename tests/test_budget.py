@@ -189,6 +189,45 @@ def test_no_decode_means_largest_slice():
     assert plan.mode == "prefill_only" and plan.tokens == CFG.max_slice
 
 
+def test_no_decode_with_a_round_bound_takes_the_slice_that_fits_it():
+    """``max_round_s`` (issue 30, bounded rounds): a lone prefill's round is the longest
+    grid-aligned slice whose predicted step fits the bound, so the next arrival waits about that
+    long; every slice still ends on the grid and makes progress."""
+    bound = 0.05  # a 4096-token slice costs 0.08 s from 0 in MODEL, more deeper in
+    cfg = replace(CFG, max_round_s=bound)
+    for done in (0, 150, 6_000, 19_000):
+        p = Prefill("a", deadline=1e9, done=done, total=20_000)
+        plan = plan_round(MODEL, cfg, 0.0, [], [p])
+        assert plan.mode == "prefill_only" and plan.tokens < cfg.max_slice
+        end = slice_end(done, plan.tokens, p.remaining, cfg.grid)
+        assert end % 64 == 0 and end > done
+        assert MODEL.predict(BatchShape((), (Slice(done, end - done),))) <= bound
+        nxt = slice_end(done, plan.tokens + 64, p.remaining, cfg.grid)
+        assert MODEL.predict(BatchShape((), (Slice(done, nxt - done),))) > bound  # the longest
+    # slower steps than the model (slow factor 2): the bound holds in measured time
+    p = Prefill("a", deadline=1e9, done=0, total=20_000)
+    slow = plan_round(MODEL, replace(cfg, slow=2.0), 0.0, [], [p])
+    assert slow.tokens < plan_round(MODEL, cfg, 0.0, [], [p]).tokens
+    # a short remainder, or the bound off: the largest slice
+    assert plan_round(MODEL, cfg, 0.0, [], [Prefill("b", 1e9, 0, 60)]).tokens == cfg.max_slice
+    assert plan_round(MODEL, CFG, 0.0, [], [p]).tokens == CFG.max_slice
+
+
+def test_a_round_bound_never_costs_a_deadline():
+    """Bounded rounds pay one fixed round cost each; where that would miss the deadline the
+    prefill takes the largest slices again."""
+    cfg = replace(CFG, max_round_s=0.03)
+    p = Prefill("a", deadline=1e9, done=0, total=20_000)
+    bounded = plan_round(MODEL, cfg, 0.0, [], [p]).tokens
+    assert bounded < cfg.max_slice
+    rounds_alone = finish_time(MODEL, (), p, cfg.max_slice, cfg)
+    tight = Prefill("a", deadline=rounds_alone * cfg.safety * 1.01, done=0, total=20_000)
+    assert finish_time(MODEL, (), tight, bounded, cfg) * cfg.safety > tight.deadline
+    assert plan_round(MODEL, cfg, 0.0, [], [tight]).tokens == cfg.max_slice
+    with pytest.raises(ValueError, match="max_round_s"):
+        BudgetConfig(max_round_s=-1)
+
+
 def test_generous_deadline_shares_the_round():
     p = Prefill("a", deadline=1e9, done=0, total=6000)
     plan = plan_round(MODEL, CFG, 0.0, DECODE, [p])

@@ -110,6 +110,8 @@ def test_default_keep():
         ("grow", 3072, True, (5120, 3072, 3072)),
         ("burst", 192, True, (4096, 192, 192)),
         ("prefill_only", 4096, True, (4096, None, 4096)),
+        ("prefill_only", 640, True, (4096, 640, 640)),  # bounded round: exactly its slice
+        ("prefill_only", 640, False, (640, None, 640)),
         ("alone", 4096, True, (4096, 4096, 4096)),
         ("interleave", 4096, True, (4096, 4096, 4096)),
         ("share", 64, False, (64, None, 64)),

@@ -19,7 +19,9 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   in the largest slices (``alone``: no decode in the round), except that the time to spare
   beyond its finish alone still pays for some rounds to carry decode, spread evenly through
   the rest of its prefill (``interleave``, :func:`interleave_due`; decode waits a few rounds,
-  not the whole prompt). With no decode running the prefill takes the largest slice.
+  not the whole prompt). With no decode running the prefill takes the largest slice, or with
+  ``max_round_s`` the largest whose round fits it (:func:`lone_slice`), so an arrival waits
+  for one short round, not one chunk-sized round.
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -75,6 +77,9 @@ class BudgetConfig:
     max_slowdown: a prefill sharing rounds with decode progresses at least 1/this of its
         predicted rate running alone (:func:`progress_floor`), whatever the round budget;
         0: no floor.
+    max_round_s: with no decode running, a round's predicted step is kept within this (the
+        longest grid-aligned slice that fits, :func:`lone_slice`), so a request arriving
+        meanwhile waits at most about this long for the next round; 0: the largest slice.
     """
 
     itl_target_s: float | None = None
@@ -89,6 +94,7 @@ class BudgetConfig:
     overhead_s: float = 0.0
     slow: float = 1.0
     max_slowdown: float = 1.75
+    max_round_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.grid < 1 or self.max_slice < self.grid:
@@ -103,6 +109,8 @@ class BudgetConfig:
             raise ValueError("slow must be >= 1")
         if not (self.max_slowdown == 0 or self.max_slowdown >= 1.0):
             raise ValueError("max_slowdown must be 0 (off) or >= 1")
+        if self.max_round_s < 0:
+            raise ValueError("max_round_s must be >= 0 (0: off)")
 
 
 @dataclass
@@ -247,6 +255,22 @@ def fit_slice(
         else:
             hi = mid - 1
     return first + lo * grid
+
+
+def lone_slice(model: CostModel, p: Prefill, now: float, cfg: BudgetConfig) -> int:
+    """The slice of a prefill running with no decode: the largest (``max_slice``), or with
+    ``max_round_s`` the longest grid-aligned one whose step fits it (in the model's time, so
+    divided by ``slow``), unless taking such slices would miss the deadline (then the largest).
+    The price is one fixed round cost per extra round (:meth:`CostModel.slice_round`)."""
+    if cfg.max_round_s <= 0 or p.remaining <= cfg.grid:
+        return cfg.max_slice
+    s = fit_slice(model, (), p.done, p.remaining, cfg.max_round_s / cfg.slow, cfg.grid,
+                  cfg.max_slice)  # fmt: skip
+    if s >= min(cfg.max_slice, p.remaining):
+        return cfg.max_slice
+    if finish_time(model, (), p, s, cfg) * cfg.safety > p.deadline - now:
+        return cfg.max_slice
+    return s
 
 
 def progress_floor(
@@ -475,7 +499,7 @@ def plan_round(
         return Plan(mode, head.rid, tokens, mix, pred if budget_s is None else budget_s, pred, sl)
 
     if not decode_ctx:
-        return planned("prefill_only", cfg.max_slice, False)
+        return planned("prefill_only", lone_slice(model, head, now, cfg), False)
     share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
     if (

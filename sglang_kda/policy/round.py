@@ -113,13 +113,16 @@ def round_tokens(plan: Plan, max_slice: int, inflight: bool) -> tuple[int, Optio
     plan's tokens, as before. With one, short requests may enter beside it: the in-flight
     request takes exactly its planned tokens (``share``/``grow``/``burst``) and the round's
     budget leaves at least half of ``max_slice`` beside them; with nothing else running
-    (``prefill_only``) it keeps half of the round; when its deadline is at risk (``alone``,
+    (``prefill_only``) it keeps half of the round, or exactly its planned tokens when the round
+    is time-bounded (``max_round_s``); when its deadline is at risk (``alone``,
     ``interleave``) it keeps all of it.
     """
     tokens = max(1, plan.tokens)
     if not inflight:
         return tokens, None, tokens
     if plan.mode == "prefill_only":
+        if tokens < max_slice:  # a bounded lone round (max_round_s): the rest is for arrivals
+            return max(max_slice, tokens + max_slice // 2), tokens, tokens
         budget = max(max_slice, tokens)
         return budget, None, budget
     if plan.mode in ("alone", "interleave"):

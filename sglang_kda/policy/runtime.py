@@ -159,6 +159,7 @@ def budget_config(kcfg: Any, page_size: int, chunked_prefill_size: int) -> Budge
         max_slice=max(grid, chunked_prefill_size // grid * grid),
         pace_every=kcfg.pace_every,
         max_slowdown=kcfg.prefill_max_slowdown,
+        max_round_s=kcfg.max_round_ms / 1e3,
     )
 
 
