@@ -294,7 +294,7 @@ class KDAConfig:
         "pace keeps the round budget. `0` = the round budget alone decides.",
     )
     max_round_ms: float = flag(
-        250.0,
+        500.0,
         milliseconds(positive=False),
         "ms >= 0",
         "Under `--kda-budget serial`, with no decode running a prefill round's predicted step is "
