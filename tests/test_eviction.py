@@ -153,7 +153,27 @@ def test_a_chain_thins_out_evenly_instead_of_losing_its_shallow_half():
 def test_victims_pass_their_ancestor_to_descendants():
     cs = chain([64, 128, 192])
     # After 0 goes, 1 saves two steps; 2 still one; alpha large: value decides.
-    assert pick_victims(cs, 2, 100.0) == [0, 2]
+    assert pick_victims(cs, 2, 100.0, tails=False) == [0, 2]
+    # Branch ends last: 2 ends the chain, so 1 goes before it whatever it saves.
+    assert pick_victims(cs, 2, 100.0) == [0, 1]
+
+
+def test_branch_ends_go_last():
+    """Two finished prompts' chains (0-1-2 and 3-4), old, and a newer lone state 5: every
+    interior state goes before any branch end, however old the ends and however little they
+    save; once only ends are left, the score orders them. A state whose only heir is outside
+    the candidates (locked by a live request) is interior: ``heirs`` counts every state."""
+    cs = chain([704, 1408, 2112]) + [
+        cand(3, 704, t=0), cand(4, 768, 704, t=1, anc_id=3), cand(5, 64, t=9)
+    ]
+    # interior 0, 3, 1 first (score order), then the ends 4, 2, 5 (score order)
+    assert pick_victims(cs, 6, 1.0) == [0, 3, 1, 4, 2, 5]
+    # without the tier the cheap end 4 (one grid step) went first and 2 before 1
+    assert pick_victims(cs, 6, 1.0, tails=False) == [4, 0, 3, 2, 1, 5]
+    ends = [cand(0, 64, t=0), cand(1, 2048, t=0)]
+    assert pick_victims(ends, 1, 1.0) == [0]  # two ends: the score (1 saves 32x the work)
+    locked_heir = [ends[0], Candidate(1, 2048, 0, 0, NBYTES, LAYERS, None, heirs=1)]
+    assert pick_victims(locked_heir, 1, 1.0) == [1]  # interior now: before the end 0
 
 
 def test_state_book():
@@ -532,7 +552,12 @@ def _pick_victims_plain(cands, n, alpha, grid=64):
     while pool and len(out) < n:
         cs = list(pool.values())
         sc = scores(cs, alpha, grid)
-        k = min(range(len(cs)), key=lambda i: (sc[i], cs[i].last_access, cs[i].depth))
+        # branch ends (no candidate below has it as nearest ancestor) after interior states
+        parents = {c.ancestor_id for c in cs}
+        k = min(
+            range(len(cs)),
+            key=lambda i: (cs[i].node_id not in parents, sc[i], cs[i].last_access, cs[i].depth),
+        )
         v = cs[k]
         out.append(v.node_id)
         del pool[v.node_id]

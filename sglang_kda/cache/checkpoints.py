@@ -486,7 +486,9 @@ def state_nbytes(tree_cache) -> int:
 
 def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
     """Every state the book knows and the tree still holds, with its depth, its nearest
-    state-holding ancestor and its last use (stale book entries are dropped).
+    state-holding ancestor, its heirs (the states that have it as their nearest ancestor: none
+    makes it a branch end, which the rule evicts last) and its last use (stale book entries are
+    dropped).
 
     One root path per branch, not per state: states are visited deepest first (the book's
     depths), and one path resolves every state on it (its ancestor is the state before it on
@@ -519,6 +521,10 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
                 anc_id, anc_depth = info.node_id, info.path_end
     nbytes = state_nbytes(tree_cache)
     layers = len(tree_cache.req_to_token_pool.mamba_pool.mamba_layer_ids)
+    heirs: dict[int, int] = {}  # over every state found, evictable or not: 0 ends a branch
+    for _, anc_id, _ in found.values():
+        if anc_id is not None:
+            heirs[anc_id] = heirs.get(anc_id, 0) + 1
     out = []
     for nid in alive:
         if nid not in found:
@@ -534,6 +540,7 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
                 nbytes=nbytes,
                 kda_layers=layers,
                 ancestor_id=anc_id,
+                heirs=heirs.get(nid, 0),
             )
         )
     return out

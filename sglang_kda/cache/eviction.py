@@ -13,6 +13,17 @@ score goes first. Evicting a checkpoint raises the value of its descendants that
 nearest ancestor, so victims are picked one at a time, rescoring after each
 (:func:`pick_victims`); a chain of checkpoints thins out evenly instead of losing a whole region.
 
+Branch ends go last (``tails``, on by default): a state that is no other state's nearest state
+ancestor (the deepest state of its branch: where a finished prompt's chain of checkpoints ends,
+what the next turn of a conversation resumes from) is evicted only when no interior state is
+left to evict; the score orders each tier. Interior states of a finished chain save a later
+request only the distance to the next state kept above them; the end of a chain saves the whole
+prompt. On Kimi's Mooncake conversation trace (first 600 s, Kimi-Linear-48B TP8, 5,142 states,
+a checkpoint every 704 tokens) the score alone evicted whole chains within ~100 s of their
+insert (the pool turns over that fast) while continuations arrive ~160 s after the previous
+turn: 0.059 of the prompt tokens were recomputed for want of a state more than one spacing
+deep; with branch ends kept, 0.025 (benchmark/results/mooncake_diagnosis.md).
+
 ``--kda-eviction``: ``lru`` (SGLang's own least-recently-used walk), ``marconi`` (this rule with
 ``alpha = 1``) or a number ``alpha >= 0``.
 
@@ -34,6 +45,9 @@ from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID  # one serial step o
 
 DEFAULT_ALPHA = 1.0
 CHOICES = ("lru", "marconi")
+# Branch ends go last (see the module docstring); False restores the plain score (the rule
+# before issue 30). Read at call time by pick_victims' default and by the simulator's tree.
+TAILS = True
 
 
 def parse_eviction(value: object) -> Optional[float]:
@@ -72,6 +86,8 @@ class Candidate:
     nbytes: int
     kda_layers: int
     ancestor_id: Optional[int] = None
+    heirs: Optional[int] = None  # states (evictable or not) that have this one as their nearest
+    # state ancestor; 0: the end of a branch. None: counted among the candidates given.
 
 
 def steps_saved(c: Candidate, grid: int = GRID) -> float:
@@ -100,19 +116,39 @@ def scores(cands: Sequence[Candidate], alpha: float, grid: int = GRID) -> list[f
     return out
 
 
-def pick_victims(cands: Iterable[Candidate], n: int, alpha: float, grid: int = GRID) -> list[int]:
+def pick_victims(
+    cands: Iterable[Candidate],
+    n: int,
+    alpha: float,
+    grid: int = GRID,
+    tails: Optional[bool] = None,
+) -> list[int]:
     """Up to ``n`` node ids to evict, lowest score first, rescoring after each pick.
 
-    Ties go to the older, then the shallower candidate, then the earlier in ``cands``. A victim's
-    descendants that had it as their nearest state ancestor inherit its ancestor (their saved
-    work grows). Array arithmetic: each pick rescans the candidates in numpy, the same float
-    operations as :func:`scores` (a 256-state pool shedding 36 took 44 ms in plain Python).
+    ``tails`` (None: :data:`TAILS`): interior states (``heirs > 0``) go before any branch end
+    (``heirs == 0``); the score orders each tier (normalized over all the candidates). Ties go to the older, then the
+    shallower candidate, then the earlier in ``cands``. A victim's descendants that had it as
+    their nearest state ancestor inherit its ancestor (their saved work grows), and its ancestor
+    inherits its heirs (a chain's end made its ancestor interior; with it gone, the ancestor ends
+    the branch again if it has no other heir). Array arithmetic: each pick rescans the candidates
+    in numpy, the same float operations as :func:`scores` (a 256-state pool shedding 36 took
+    44 ms in plain Python).
     """
     cs = list(cands)
     if not cs or n <= 0:
         return []
+    if tails is None:
+        tails = TAILS
     ids = [c.node_id for c in cs]
     index = {nid: i for i, nid in enumerate(ids)}
+    counted: dict[int, int] = {}
+    for c in cs:
+        if c.ancestor_id is not None:
+            counted[c.ancestor_id] = counted.get(c.ancestor_id, 0) + 1
+    heirs = np.array(
+        [c.heirs if c.heirs is not None else counted.get(c.node_id, 0) for c in cs],
+        dtype=np.int64,
+    )
     times = np.array([c.last_access for c in cs])
     depth = np.array([c.depth for c in cs], dtype=np.int64)
     anc_depth = np.array([c.ancestor_depth for c in cs], dtype=np.int64)
@@ -133,6 +169,10 @@ def pick_victims(cands: Iterable[Candidate], n: int, alpha: float, grid: int = G
         vmax = v.max()
         val = v / vmax if vmax > 0 else np.zeros(len(live))
         sc = rec + alpha * val
+        if tails:  # the lower tier first: interior states while there are any
+            inner = heirs[live] > 0
+            if inner.any():
+                sc = np.where(inner, sc, np.inf)
         pick = np.flatnonzero(sc == sc.min())
         if len(pick) > 1:
             pick = pick[t[pick] == t[pick].min()]
@@ -142,9 +182,11 @@ def pick_victims(cands: Iterable[Candidate], n: int, alpha: float, grid: int = G
         k = int(live[pick[0]])
         out.append(ids[k])
         alive[k] = False
-        heirs = alive & (anc == k)
-        anc_depth[heirs] = anc_depth[k]
-        anc[heirs] = anc[k]
+        if anc[k] >= 0:
+            heirs[anc[k]] += heirs[k] - 1
+        below = alive & (anc == k)
+        anc_depth[below] = anc_depth[k]
+        anc[below] = anc[k]
     return out
 
 

@@ -38,8 +38,10 @@ Recency is a logical clock (one tick per operation), so runs are deterministic.
 Eviction costs what the evictions cost, not a walk of the tree: the tree keeps, incrementally,
 each node's recency (the most recent access in its subtree), each checkpoint's distance to its
 nearest checkpointed ancestor (the rule's saved work), the checkpoints in the order of their
-last insert or hit, and lazy heaps of the LRU candidates (checkpoints; unlocked leaves). The
-victims are the ones the old walk picked, in the same order (``tests/sim/test_tree_fast.py``
+last insert or hit, each checkpoint's heirs (the checkpoints that have it as nearest checkpointed
+ancestor: none makes it a branch end, which the rule evicts last), and lazy heaps of the LRU
+candidates (checkpoints; unlocked leaves). The victims are the ones the old walk picked, in the
+same order (``tests/sim/test_tree_fast.py``
 checks it against the walk, kept there as the reference). ``eviction.pick_victims`` is evaluated
 incrementally (:meth:`RadixTree._pick_by_rule`: the same float operations on the candidates that
 can win); when a test or an experiment swaps the module's function, the tree walks and calls it.
@@ -47,6 +49,7 @@ can win); when a test or an experiment swaps the module's function, the tree wal
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict
@@ -76,6 +79,8 @@ class Node:
     state_access: int = 0  # tick of the checkpoint's last insert or hit (the eviction rule's)
     recency: int = 0  # the most recent last_access in this node's subtree (LRU's key)
     gap: int = 0  # checkpoint: depth - depth of the nearest checkpointed ancestor (root: 0)
+    heirs: int = 0  # checkpoint: checkpoints that have it as their nearest checkpointed ancestor
+    filed: tuple = ()  # unlocked checkpoint: its key in the rule's index, (branch end?, gap)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -145,9 +150,10 @@ class RadixTree:
     def _index_reset(self) -> None:
         # checkpointed nodes, oldest state_access first (ties: shallower first, as inserted)
         self._ckpts: OrderedDict = OrderedDict()
-        self._gaps: dict = {}  # gap -> count, over the unlocked checkpoints
-        # gap -> heap of (state_access, depth, serial, node) of the unlocked checkpoints with
-        # that gap, lazy (an entry whose node moved on is dropped when it comes to the top)
+        # (branch end?, gap) -> count, over the unlocked checkpoints
+        self._gaps: dict = {}
+        # the same key -> heap of (state_access, depth, serial, node) of the unlocked
+        # checkpoints under it, lazy (an entry whose node moved on is dropped at the top)
         self._by_gap: dict = {}
         self._by_gap_entries = 0
         self._lru_ckpt: list = []  # (recency, -depth, serial, seq, node), lazy
@@ -175,50 +181,68 @@ class RadixTree:
         heapq.heappush(heap, (node.recency, -node.depth, node.serial, next(self._seq), node))
 
     def _gap_add(self, node: Node) -> None:
-        """``node`` (an unlocked checkpoint) joins the candidates of its gap."""
-        gap = node.gap
-        self._gaps[gap] = self._gaps.get(gap, 0) + 1
+        """``node`` (an unlocked checkpoint) joins the candidates of its key (tier, gap)."""
+        key = node.filed = (node.heirs == 0, node.gap)
+        self._gaps[key] = self._gaps.get(key, 0) + 1
         self._file(node)
 
     def _file(self, node: Node) -> None:
-        heap = self._by_gap.get(node.gap)
+        heap = self._by_gap.get(node.filed)
         if heap is None:
-            heap = self._by_gap[node.gap] = []
+            heap = self._by_gap[node.filed] = []
         heapq.heappush(heap, (node.state_access, node.depth, node.serial, node))
         self._by_gap_entries += 1
 
-    def _gap_remove(self, gap: int) -> None:
-        c = self._gaps[gap] - 1
+    def _gap_remove(self, node: Node) -> None:
+        key = node.filed
+        c = self._gaps[key] - 1
         if c:
-            self._gaps[gap] = c
+            self._gaps[key] = c
         else:
-            del self._gaps[gap]
-            self._by_gap_entries -= len(self._by_gap.pop(gap, ()))
+            del self._gaps[key]
+            self._by_gap_entries -= len(self._by_gap.pop(key, ()))
 
-    def _oldest(self, gap: int) -> Node:
-        """The unlocked checkpoint with this gap and the oldest (state_access, depth)."""
-        heap = self._by_gap[gap]
+    def _oldest(self, key: tuple) -> Node:
+        """The unlocked checkpoint filed under ``key`` with the oldest (state_access, depth)."""
+        heap = self._by_gap[key]
         while True:
             t, _, _, n = heap[0]
-            if n.checkpoint and n.lock_own == 0 and n.gap == gap and n.state_access == t:
+            if n.checkpoint and n.lock_own == 0 and n.filed == key and n.state_access == t:
                 return n
             heapq.heappop(heap)
             self._by_gap_entries -= 1
 
     def _set_gap(self, node: Node, gap: int) -> None:
         if node.lock_own == 0:
-            self._gap_remove(node.gap)
+            self._gap_remove(node)
             node.gap = gap
             self._gap_add(node)
         else:
             node.gap = gap
 
+    def _add_heirs(self, node: Optional[Node], k: int) -> None:
+        """``node`` (a checkpoint, or None: the root) gains ``k`` heirs (may be negative); a
+        change of tier (branch end or not) refiles it."""
+        if node is None or k == 0:
+            return
+        was = node.heirs == 0
+        node.heirs += k
+        if node.lock_own == 0 and (node.heirs == 0) != was:
+            self._gap_remove(node)
+            self._gap_add(node)
+
     @staticmethod
-    def _ancestor_depth(node: Node) -> int:
-        """Depth of the nearest checkpointed proper ancestor (the root: 0)."""
+    def _ancestor(node: Node) -> Optional[Node]:
+        """The nearest checkpointed proper ancestor (None: the root)."""
         p = node.parent
         while p is not None and not p.checkpoint:
             p = p.parent
+        return p
+
+    @classmethod
+    def _ancestor_depth(cls, node: Node) -> int:
+        """Depth of the nearest checkpointed proper ancestor (the root: 0)."""
+        p = cls._ancestor(node)
         return 0 if p is None else p.depth
 
     @staticmethod
@@ -236,23 +260,29 @@ class RadixTree:
     def _add_checkpoint(self, node: Node) -> None:
         node.checkpoint = True
         self.n_checkpoints += 1
-        node.gap = node.depth - self._ancestor_depth(node)
+        anc = self._ancestor(node)
+        node.gap = node.depth - (0 if anc is None else anc.depth)
+        heirs = self._heirs(node)
+        node.heirs = len(heirs)
         self._ckpts[node] = None
         if node.lock_own == 0:
             self._gap_add(node)
             self._push(self._lru_ckpt, node)
-        for h in self._heirs(node):
+        for h in heirs:
             self._set_gap(h, h.depth - node.depth)
+        self._add_heirs(anc, 1 - len(heirs))  # its heirs below ``node`` are now ``node``'s
 
     def _drop_checkpoint(self, node: Node) -> None:
         node.checkpoint = False
         self.n_checkpoints -= 1
         del self._ckpts[node]
         if node.lock_own == 0:
-            self._gap_remove(node.gap)
+            self._gap_remove(node)
         above = node.depth - node.gap
         for h in self._heirs(node):
             self._set_gap(h, h.depth - above)
+        self._add_heirs(self._ancestor(node), node.heirs - 1)
+        node.heirs = 0
 
     def _state_touched(self, node: Node, t: int) -> None:
         node.state_access = t
@@ -442,7 +472,7 @@ class RadixTree:
     def lock(self, node: Node) -> Node:
         node.lock_own += 1
         if node.lock_own == 1 and node.checkpoint:
-            self._gap_remove(node.gap)
+            self._gap_remove(node)
         return node
 
     def unlock(self, node: Node) -> None:
@@ -590,9 +620,12 @@ class RadixTree:
         # The module's function was swapped: walk the tree for its candidates and call it.
         cands, by_id = [], {}
         stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
+        heirs: dict = {}
         while stack:
             node, anc = stack.pop()
             if node.checkpoint:
+                if anc is not None:
+                    heirs[anc.serial] = heirs.get(anc.serial, 0) + 1
                 if node.lock_own == 0:
                     cands.append(
                         eviction_mod.Candidate(
@@ -609,6 +642,7 @@ class RadixTree:
                 anc = node
             # insertion order (deterministic): the candidates' order for exact ties
             stack.extend((c, anc) for c in reversed(list(node.children.values())))
+        cands = [dataclasses.replace(c, heirs=heirs.get(c.node_id, 0)) for c in cands]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
             self._drop_checkpoint(by_id[nid])
@@ -622,25 +656,28 @@ class RadixTree:
         v / vmax``; lowest score, then oldest, then shallowest. ``v`` grows with the gap, so
         ``vmax`` is the largest gap's; among checkpoints with equal gaps the oldest (then the
         shallowest) scores lowest, so only each gap's oldest is scored (the unlocked checkpoints
-        are filed by gap, oldest first). ``(state_access, depth)`` is unique (one insert marks
+        are filed by (branch end?, gap), oldest first; branch ends, ``heirs == 0``, come after
+        every interior checkpoint, the rule's ``tails`` tier). ``(state_access, depth)`` is unique (one insert marks
         one path, a hit one node), so no tie goes further. A victim's checkpoint
         is dropped at once, so the checkpoints that had it as nearest ancestor inherit its
         ancestor (their gap grows), as the rule's rescoring does.
         """
         grid, per, nbytes = eviction_mod.GRID, self.kda_layers, max(self.state_nbytes, 1)
         alpha = self.alpha
+        tiers = bool(eviction_mod.TAILS)
         done = 0
         while done < n and self._gaps:
             tops = [(g, self._oldest(g)) for g in self._gaps]
             lo = min(x.state_access for _, x in tops)
             hi = next(x for x in reversed(self._ckpts) if x.lock_own == 0).state_access
             span = hi - lo
-            vmax = max(max(self._gaps), 0) / grid * per / nbytes
+            vmax = max(max(g for _, g in self._gaps), 0) / grid * per / nbytes
             best = None
-            for g, x in tops:
+            for (tail, g), x in tops:
                 rec = (x.state_access - lo) / span if span > 0 else 1.0
                 v = max(g, 0) / grid * per / nbytes
-                key = (rec + alpha * (v / vmax if vmax > 0 else 0.0), x.state_access, x.depth)
+                score = rec + alpha * (v / vmax if vmax > 0 else 0.0)
+                key = (tail and tiers, score, x.state_access, x.depth)
                 if best is None or key < best[0]:
                     best = (key, x)
             self._drop_checkpoint(best[1])
@@ -658,18 +695,28 @@ class RadixTree:
 
     # -- integrity ----------------------------------------------------------------------------
     def _check_index(self, order: list, recency: dict, fail) -> None:
-        """The incremental eviction index against a walk: recency, gaps, the checkpoints in
-        order of their last insert or hit, the gap counts."""
+        """The incremental eviction index against a walk: recency, gaps, heirs, the checkpoints
+        in order of their last insert or hit, the (branch end?, gap) counts."""
         ckpts = [n for n in order if n.checkpoint]
         for n in order:
             if n is not self.root and n.recency != recency[id(n)]:
                 fail(f"recency {n.recency} != {recency[id(n)]} walked")
         gaps: dict = {}
+        heirs: dict = {}
+        for n in ckpts:
+            a = self._ancestor(n)
+            if a is not None:
+                heirs[id(a)] = heirs.get(id(a), 0) + 1
         for n in ckpts:
             if n.gap != n.depth - self._ancestor_depth(n):
                 fail(f"gap {n.gap} != {n.depth - self._ancestor_depth(n)} walked")
+            if n.heirs != heirs.get(id(n), 0):
+                fail(f"heirs {n.heirs} != {heirs.get(id(n), 0)} walked")
             if n.lock_own == 0:
-                gaps[n.gap] = gaps.get(n.gap, 0) + 1
+                key = (n.heirs == 0, n.gap)
+                if n.filed != key:
+                    fail(f"filed under {n.filed}, not {key}")
+                gaps[key] = gaps.get(key, 0) + 1
         if set(map(id, self._ckpts)) != set(map(id, ckpts)) or len(self._ckpts) != len(ckpts):
             fail("the checkpoint index is not the tree's checkpoints")
         seen = [(n.state_access, n.depth) for n in self._ckpts]

@@ -34,12 +34,15 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
 * :meth:`integrity`: walks the tree; see its docstring.
 
 Recency is a logical clock (one tick per operation), so runs are deterministic.
+
+(Changed since that commit: the rule's candidates carry their heirs, counted over every
+checkpoint, so the reference evicts branch ends last as the rule now does.)
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
 # Called through the module object: a test that swaps the rule sees the change.
@@ -382,11 +385,13 @@ class RadixTree:
 
     def _evict_by_rule(self, n: int) -> int:
         """Drop up to ``n`` unlocked checkpoints chosen by ``eviction.pick_victims``."""
-        cands, by_id = [], {}
+        cands, by_id, heirs = [], {}, {}
         stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
         while stack:
             node, anc = stack.pop()
             if node.checkpoint:
+                if anc is not None:  # heirs over every checkpoint, locked or not (branch ends)
+                    heirs[anc.serial] = heirs.get(anc.serial, 0) + 1
                 if node.lock_own == 0:
                     cands.append(
                         eviction_mod.Candidate(
@@ -403,6 +408,7 @@ class RadixTree:
                 anc = node
             # insertion order (deterministic): the candidates' order for exact ties
             stack.extend((c, anc) for c in reversed(list(node.children.values())))
+        cands = [replace(c, heirs=heirs.get(c.node_id, 0)) for c in cands]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
             node = by_id[nid]
