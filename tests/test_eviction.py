@@ -155,25 +155,27 @@ def test_victims_pass_their_ancestor_to_descendants():
     # After 0 goes, 1 saves two steps; 2 still one; alpha large: value decides.
     assert pick_victims(cs, 2, 100.0, tails=False) == [0, 2]
     # Branch ends last: 2 ends the chain, so 1 goes before it whatever it saves.
-    assert pick_victims(cs, 2, 100.0) == [0, 1]
+    assert pick_victims(cs, 2, 100.0, tails=True) == [0, 1]
 
 
 def test_branch_ends_go_last():
-    """Two finished prompts' chains (0-1-2 and 3-4), old, and a newer lone state 5: every
-    interior state goes before any branch end, however old the ends and however little they
-    save; once only ends are left, the score orders them. A state whose only heir is outside
-    the candidates (locked by a live request) is interior: ``heirs`` counts every state."""
+    """(The opt-in tier, ``eviction.TAILS``.) Two finished prompts' chains (0-1-2 and 3-4),
+    old, and a newer lone state 5: every interior state goes before any branch end, however old the
+    ends and however little they save; once only ends are left, the score orders them. A state whose
+    only heir is outside the candidates (locked by a live request) is interior: ``heirs`` counts
+    every state."""
     cs = chain([704, 1408, 2112]) + [
         cand(3, 704, t=0), cand(4, 768, 704, t=1, anc_id=3), cand(5, 64, t=9)
     ]
     # interior 0, 3, 1 first (score order), then the ends 4, 2, 5 (score order)
-    assert pick_victims(cs, 6, 1.0) == [0, 3, 1, 4, 2, 5]
+    assert pick_victims(cs, 6, 1.0, tails=True) == [0, 3, 1, 4, 2, 5]
     # without the tier the cheap end 4 (one grid step) went first and 2 before 1
     assert pick_victims(cs, 6, 1.0, tails=False) == [4, 0, 3, 2, 1, 5]
     ends = [cand(0, 64, t=0), cand(1, 2048, t=0)]
-    assert pick_victims(ends, 1, 1.0) == [0]  # two ends: the score (1 saves 32x the work)
+    # two ends: the score (1 saves 32x the work)
+    assert pick_victims(ends, 1, 1.0, tails=True) == [0]
     locked_heir = [ends[0], Candidate(1, 2048, 0, 0, NBYTES, LAYERS, None, heirs=1)]
-    assert pick_victims(locked_heir, 1, 1.0) == [1]  # interior now: before the end 0
+    assert pick_victims(locked_heir, 1, 1.0, tails=True) == [1]  # interior now: before the end 0
 
 
 def test_state_book():
@@ -540,9 +542,9 @@ def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_
     cache.sanity_check()
 
 
-def _pick_victims_plain(cands, n, alpha, grid=64):
+def _pick_victims_plain(cands, n, alpha, grid=64, tails=True):
     """The rule as first written (plain Python, one rescoring per pick): the reference the
-    array version must match pick for pick."""
+    array version must match pick for pick (``tails``: branch ends after interior states)."""
     from dataclasses import replace
 
     from sglang_kda.cache.eviction import scores
@@ -556,7 +558,12 @@ def _pick_victims_plain(cands, n, alpha, grid=64):
         parents = {c.ancestor_id for c in cs}
         k = min(
             range(len(cs)),
-            key=lambda i: (cs[i].node_id not in parents, sc[i], cs[i].last_access, cs[i].depth),
+            key=lambda i: (
+                tails and cs[i].node_id not in parents,
+                sc[i],
+                cs[i].last_access,
+                cs[i].depth,
+            ),
         )
         v = cs[k]
         out.append(v.node_id)
@@ -596,4 +603,6 @@ def test_pick_victims_matches_the_plain_rule(rows, n, alpha):
                 ancestor_id=parent.node_id if parent else None,
             )
         )
-    assert pick_victims(cs, n, alpha) == _pick_victims_plain(cs, n, alpha)
+    for tails in (False, True):
+        got = pick_victims(cs, n, alpha, tails=tails)
+        assert got == _pick_victims_plain(cs, n, alpha, tails=tails)

@@ -45,9 +45,12 @@ from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID  # one serial step o
 
 DEFAULT_ALPHA = 1.0
 CHOICES = ("lru", "marconi")
-# Branch ends go last (see the module docstring); False restores the plain score (the rule
-# before issue 30). Read at call time by pick_victims' default and by the simulator's tree.
-TAILS = True
+# Branch ends go last (see the module docstring) when True. Off by default: on Kimi's Mooncake
+# trace (simulator, 0-600 s, TP8) it cuts kda's prefill 0.809 -> 0.786 of prompt tokens, still
+# above stock's 0.780, and at tiny state caps it loses to stock on the project's own workloads
+# (shared_prefix at cap 16: 0.447 -> 0.713, stock 0.573; benchmark/results/mooncake_diagnosis.md).
+# Read at call time by pick_victims' default and by the simulator's tree.
+TAILS = False
 
 
 def parse_eviction(value: object) -> Optional[float]:
@@ -126,13 +129,13 @@ def pick_victims(
     """Up to ``n`` node ids to evict, lowest score first, rescoring after each pick.
 
     ``tails`` (None: :data:`TAILS`): interior states (``heirs > 0``) go before any branch end
-    (``heirs == 0``); the score orders each tier (normalized over all the candidates). Ties go to the older, then the
-    shallower candidate, then the earlier in ``cands``. A victim's descendants that had it as
-    their nearest state ancestor inherit its ancestor (their saved work grows), and its ancestor
-    inherits its heirs (a chain's end made its ancestor interior; with it gone, the ancestor ends
-    the branch again if it has no other heir). Array arithmetic: each pick rescans the candidates
-    in numpy, the same float operations as :func:`scores` (a 256-state pool shedding 36 took
-    44 ms in plain Python).
+    (``heirs == 0``); the score orders each tier (normalized over all the candidates). Ties go to
+    the older, then the shallower candidate, then the earlier in ``cands``. A victim's descendants
+    that had it as their nearest state ancestor inherit its ancestor (their saved work grows), and
+    its ancestor inherits its heirs (a chain's end made its ancestor interior; with it gone, the
+    ancestor ends the branch again if it has no other heir). Array arithmetic: each pick rescans the
+    candidates in numpy, the same float operations as :func:`scores` (a 256-state pool shedding 36
+    took 44 ms in plain Python).
     """
     cs = list(cands)
     if not cs or n <= 0:

@@ -651,16 +651,16 @@ class RadixTree:
     def _pick_by_rule(self, n: int) -> int:
         """:func:`eviction.pick_victims` on the unlocked checkpoints, without building them.
 
-        Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all
-        times are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha *
-        v / vmax``; lowest score, then oldest, then shallowest. ``v`` grows with the gap, so
-        ``vmax`` is the largest gap's; among checkpoints with equal gaps the oldest (then the
-        shallowest) scores lowest, so only each gap's oldest is scored (the unlocked checkpoints
-        are filed by (branch end?, gap), oldest first; branch ends, ``heirs == 0``, come after
-        every interior checkpoint, the rule's ``tails`` tier). ``(state_access, depth)`` is unique (one insert marks
-        one path, a hit one node), so no tie goes further. A victim's checkpoint
-        is dropped at once, so the checkpoints that had it as nearest ancestor inherit its
-        ancestor (their gap grows), as the rule's rescoring does.
+        Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all times
+        are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha * v /
+        vmax``; lowest score, then oldest, then shallowest. ``v`` grows with the gap, so ``vmax`` is
+        the largest gap's; among checkpoints with equal gaps the oldest (then the shallowest) scores
+        lowest, so only each gap's oldest is scored (the unlocked checkpoints are filed by (branch
+        end?, gap), oldest first; branch ends, ``heirs == 0``, come after every interior checkpoint,
+        the rule's ``tails`` tier). ``(state_access, depth)`` is unique (one insert marks one path,
+        a hit one node), so no tie goes further. A victim's checkpoint is dropped at once, so the
+        checkpoints that had it as nearest ancestor inherit its ancestor (their gap grows), as the
+        rule's rescoring does.
         """
         grid, per, nbytes = eviction_mod.GRID, self.kda_layers, max(self.state_nbytes, 1)
         alpha = self.alpha
