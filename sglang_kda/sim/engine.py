@@ -143,8 +143,8 @@ class SimConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         self.grid = grid_mod.checkpoint_grid(self.page_size)
-        if self.checkpoint_every and self.checkpoint_every % self.grid:
-            raise ValueError("checkpoint_every must be a multiple of the grid")
+        # the server's one spacing rule (GridError, a ValueError, names both flags)
+        self.spacing = grid_mod.checkpoint_spacing(self.checkpoint_every, self.page_size)
         if self.aligned_cuts is None:
             self.aligned_cuts = self.policy == "kda"
         if self.finished_state not in ("prompt", "end"):
@@ -443,7 +443,7 @@ class Rank:
             unfinished = e < len(r.ids)
             marks = []
             if cfg.kda:
-                every = cfg.checkpoint_every or cfg.grid
+                every = cfg.spacing
                 first = (s // every + 1) * every
                 marks = list(range(first, e + 1, every))
             if unfinished:
