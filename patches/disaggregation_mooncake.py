@@ -14,7 +14,8 @@ How: on the CPU engine the attribute is ``False``: ``_send_kv_chunk`` takes upst
     branch, ``kv_to_page_indices`` (a host numpy copy of the same page ids; on the CPU engine
     the indices already live on the host, so nothing is lost). ``MOONCAKE_PROTOCOL`` is set to
     ``tcp`` when the environment does not name one (a CPU machine with an RDMA NIC keeps
-    ``MOONCAKE_PROTOCOL=rdma`` by setting it). Only on the CPU engine; any policy.
+    ``MOONCAKE_PROTOCOL=rdma`` by setting it). Only on the CPU engine, only in PD servers (the
+    launcher sets ``SGLANG_KDA_PD=1``); any policy.
 Seam: a class attribute (upstream's kept as ``_orig_supports_host_tensor_indices``) and
     ``os.environ.setdefault``.
 Remove when: SGLang checks ``is_pin_memory_available()`` before taking the pinned branch, and
@@ -31,8 +32,15 @@ TARGETS = ("MooncakeKVSender.supports_host_tensor_indices",)
 PROTOCOL_ENV, CPU_PROTOCOL = "MOONCAKE_PROTOCOL", "tcp"
 
 
+PD_ENV = "SGLANG_KDA_PD"
+"""Set to 1 by the launcher for a server started with ``--disaggregation-mode prefill|decode``."""
+
+
 def wanted(ctx) -> bool:
-    return ctx.cpu_engine
+    # Only PD servers: importing the Mooncake connector registers its Prometheus metrics at
+    # import time, and in every other server that dropped the tokenizer's metrics from /metrics
+    # (sglang:prompt_tokens_total gone; tests/server/test_server_kda.py).
+    return ctx.cpu_engine and os.environ.get(PD_ENV) == "1"
 
 
 def apply(ctx) -> None:

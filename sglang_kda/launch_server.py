@@ -500,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if cpu_engine:
         os.environ.update(cpu_env(sglang_argv))
+    if _flag_value(sglang_argv, "--disaggregation-mode") in ("prefill", "decode"):
+        from sglang_kda.patches.disaggregation_mooncake import PD_ENV
+
+        os.environ[PD_ENV] = "1"  # the PD-only patches apply in this server's processes
     os.environ.update(config.to_env())
     from sglang_kda.plugin import ENABLE_ENV
 
