@@ -32,20 +32,28 @@ def wanted(ctx) -> bool:
 
 
 def apply(ctx) -> None:
+    cls = importlib.import_module(UPSTREAM).SchedulerBatchResultProcessor
+    install_after_prefill(cls, "process_batch_result_prefill", ctx)
+
+
+def install_after_prefill(cls, name: str, ctx) -> None:
+    """Run sglang_kda's after-prefill step (insert the forward's captured checkpoints, counters,
+    integrity check) before ``cls.name(self, batch, result)``; upstream's is kept as
+    ``_orig_<name>``. Also used by ``patches/disaggregation_prefill.py`` (a PD prefill server
+    finishes its prefills through another method)."""
     from sglang_kda.cache.prefill_step import AfterPrefill
     from sglang_kda.kda_adapter import capture_of
 
-    cls = importlib.import_module(UPSTREAM).SchedulerBatchResultProcessor
     if getattr(cls, "_sglang_kda_patched", False):
         return
-    orig = cls.process_batch_result_prefill
+    orig = getattr(cls, name)
     after_prefill = AfterPrefill(ctx.config)
 
     @functools.wraps(orig)
-    def process_batch_result_prefill(self, batch, result):
+    def wrapped(self, batch, result):
         after_prefill(self.tree_cache, batch.reqs, batch.extend_lens, capture_of(result))
         return orig(self, batch, result)
 
-    cls._orig_process_batch_result_prefill = orig
-    cls.process_batch_result_prefill = process_batch_result_prefill
+    setattr(cls, "_orig_" + name, orig)
+    setattr(cls, name, wrapped)
     cls._sglang_kda_patched = True

@@ -24,7 +24,6 @@ Remove when: upstream caches per-chunk KDA states (then only the counters remain
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 UPSTREAM = "sglang.srt.disaggregation.prefill"
@@ -36,20 +35,7 @@ def wanted(ctx) -> bool:
 
 
 def apply(ctx) -> None:
-    from sglang_kda.cache.prefill_step import AfterPrefill
-    from sglang_kda.kda_adapter import capture_of
+    from sglang_kda.patches.batch_result_processor import install_after_prefill
 
     cls = importlib.import_module(UPSTREAM).SchedulerDisaggregationPrefillMixin
-    if getattr(cls, "_sglang_kda_patched", False):
-        return
-    orig = cls.process_batch_result_disagg_prefill
-    after_prefill = AfterPrefill(ctx.config)
-
-    @functools.wraps(orig)
-    def process_batch_result_disagg_prefill(self, batch, result):
-        after_prefill(self.tree_cache, batch.reqs, batch.extend_lens, capture_of(result))
-        return orig(self, batch, result)
-
-    cls._orig_process_batch_result_disagg_prefill = orig
-    cls.process_batch_result_disagg_prefill = process_batch_result_disagg_prefill
-    cls._sglang_kda_patched = True
+    install_after_prefill(cls, "process_batch_result_disagg_prefill", ctx)

@@ -118,7 +118,8 @@ print("RESULT " + json.dumps(out))
 
 
 def test_applying_every_patch_twice_rebinds_each_target_once():
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1")
+    # SGLANG_KDA_PD: a PD server's processes, where the PD-only patches apply too
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", SGLANG_KDA_PD="1")
     proc = subprocess.run(
         [sys.executable, "-c", _APPLY_TWICE], env=env, capture_output=True, text=True, timeout=600
     )
@@ -139,6 +140,16 @@ def _ctx(policy: str, cpu: bool):
 def _wanted(policy: str, cpu: bool) -> set[str]:
     ctx = _ctx(policy, cpu)
     return {n for n in patches.PATCH_MODULES if patches.patch_module(n).wanted(ctx)}
+
+
+def test_mooncake_patch_only_in_pd_servers(monkeypatch):
+    """Importing the Mooncake connector in a server that is not PD dropped the tokenizer's
+    Prometheus metrics from /metrics: the patch waits for the launcher's SGLANG_KDA_PD=1."""
+    monkeypatch.delenv("SGLANG_KDA_PD", raising=False)
+    assert "disaggregation_mooncake" not in _wanted("kda", cpu=True)
+    monkeypatch.setenv("SGLANG_KDA_PD", "1")
+    assert "disaggregation_mooncake" in _wanted("kda", cpu=True)
+    assert "disaggregation_mooncake" not in _wanted("kda", cpu=False)
 
 
 def test_stock_policy_keeps_only_what_the_machine_needs():

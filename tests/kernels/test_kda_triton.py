@@ -181,12 +181,17 @@ def test_chunk_kda_matches_naive(poisoned, B, T, H, K, V, l2, init, scale, stron
     ],
 )
 def test_varlen_checkpoints(poisoned, C, prefixes, H):
-    lens = [1, 63, 65, 130]
+    _check_varlen(C, prefixes, H, seed=C + sum(prefixes))
+
+
+def _check_varlen(C, prefixes, H, seed):
+    """Sequences of 1, 63, 65 and 130 tokens after ``prefixes``, checkpoints every ``C``:
+    outputs, final states and checkpoints against the float64 reference."""
     bounds = [0, 1, 64, 129, 259]
     K = V = 32
-    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=C + sum(prefixes), strong=True)
+    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=seed, strong=True)
     cu = torch.tensor(bounds, dtype=torch.long, device=DEV)
-    h0 = torch.randn(len(lens), H, K, V, device=DEV)
+    h0 = torch.randn(len(bounds) - 1, H, K, V, device=DEV)
     o, ht, ck = kt.chunk_kda(
         q, k, v, g, beta, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=C, prefix_lens=prefixes,
@@ -719,20 +724,4 @@ def test_tiled_grid_gives_the_same_states(poisoned, monkeypatch):
     axes 1 and 2 with a partial last tile; outputs, final states and checkpoints are unchanged."""
     monkeypatch.setattr(kt, "MAX_GRID_YZ", 5)
     assert kt.grid_rows(2, 12) == (2, 5, 3)
-    lens, H, K, V, C = [1, 63, 65, 130], 3, 32, 32, 64
-    bounds = [0, 1, 64, 129, 259]
-    prefixes = [0, 37, 64, 5]
-    q, k, v, g, beta = _inputs(1, bounds[-1], H, K, V, seed=3, strong=True)
-    cu = torch.tensor(bounds, dtype=torch.long, device=DEV)
-    h0 = torch.randn(len(lens), H, K, V, device=DEV)
-    o, ht, ck = kt.chunk_kda(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_every=C, prefix_lens=prefixes,
-    )  # fmt: skip
-    ro, rh = naive_recurrent_kda(
-        *_d(q, k, v, g, beta), initial_state=h0.double(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-    )  # fmt: skip
-    _assert_close(o, ro)
-    _assert_close(ht, rh)
-    _check_checkpoints(ck, _ref_checkpoints(q, k, v, g, beta, h0, bounds, prefixes, C, l2=True))
+    _check_varlen(64, [0, 37, 64, 5], 3, seed=3)
