@@ -217,10 +217,11 @@ def test_decode_killed_mid_transfer(pd, tiny_model_dir):
     log_start = prefill.log.stat().st_size
     thread = threading.Thread(target=client)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # its prefill is under way (sent chunk by chunk)
         text = prefill.log.read_bytes()[log_start:].decode(errors="replace")
-        if text.count(f"#new-token: {CHUNK},") >= 2:
+        # slices may be shorter than CHUNK (--kda-max-round-ms bounds a lone prefill's rounds)
+        if text.count("Prefill batch") >= 2:
             break
         time.sleep(0.05)
     else:
