@@ -53,9 +53,8 @@ def capture_every(backend) -> int:
     every = backend.__dict__.get(EVERY_ATTR)
     if every is None:
         flag = getattr(type(backend), FLAG_ATTR, None)
-        if flag is None:
-            every = int(getattr(backend, EVERY_ATTR, 0) or 0)
-        else:
+        every = 0
+        if flag is not None:
             from sglang_kda.policy.grid import checkpoint_spacing
 
             pool = getattr(backend, "token_to_kv_pool", None)

@@ -168,14 +168,11 @@ def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional
         return None
     if int8_pool(cache) is not None:
         return _write_int8_checkpoint(cache, cap, row, layer_ids, alpha)
-    slot = pool.mamba_allocator.alloc(1)
-    if slot is None and alpha is not None and _evicted(evict_states(cache, 1, alpha)) > 0:
-        slot = pool.mamba_allocator.alloc(1)
+    slot = _alloc_tree_slot(
+        cache, pool.mamba_allocator.alloc, alpha,
+        lambda: cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1)),
+    )  # fmt: skip
     if slot is None:
-        _evicted(cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1)))
-        slot = pool.mamba_allocator.alloc(1)
-    if slot is None:
-        STATS.add("checkpoints_skipped_no_slot")
         return None
     phys = pool.translate_mamba_indices(slot.view(-1)).long()
     temporal = mamba_pool.mamba_cache.temporal
@@ -184,6 +181,21 @@ def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional
         lc = cap.layers[layer_id]
         temporal[li, phys] = lc.states[row].to(temporal.dtype)
         conv[li, phys] = lc.conv[row].to(conv.dtype)
+    return slot
+
+
+def _alloc_tree_slot(cache, alloc, alpha, sglang_evict) -> Optional[torch.Tensor]:
+    """One slot from ``alloc`` for a tree state: if none is free, evict one tree state by
+    ``alpha``'s rule (:func:`evict_states`), else by SGLang's own eviction (``sglang_evict``),
+    and try again; None (counted) when still none."""
+    slot = alloc(1)
+    if slot is None and alpha is not None and _evicted(evict_states(cache, 1, alpha)) > 0:
+        slot = alloc(1)
+    if slot is None:
+        _evicted(sglang_evict())
+        slot = alloc(1)
+    if slot is None:
+        STATS.add("checkpoints_skipped_no_slot")
     return slot
 
 
@@ -210,14 +222,10 @@ def _write_int8_checkpoint(cache, cap, row: int, layer_ids, alpha) -> Optional[t
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     ck = int8_pool(cache)
-    slot = ck.alloc(1)
-    if slot is None and alpha is not None and _evicted(evict_states(cache, 1, alpha)) > 0:
-        slot = ck.alloc(1)
+    slot = _alloc_tree_slot(
+        cache, ck.alloc, alpha, lambda: cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+    )
     if slot is None:
-        _evicted(cache.evict(EvictParams(num_tokens=0, mamba_num=1)))
-        slot = ck.alloc(1)
-    if slot is None:
-        STATS.add("checkpoints_skipped_no_slot")
         return None
     active = cache.req_to_token_pool.mamba_pool.mamba_cache
     states = torch.stack([cap.layers[lid].states[row] for lid in layer_ids])
