@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from sglang_kda.config import KDAConfig  # noqa: E402
-from sglang_kda.policy import runtime  # noqa: E402
+from sglang_kda.wiring import budget as runtime  # noqa: E402
 from sglang_kda.sim import costs  # noqa: E402
 from sglang_kda.sim import trace as T  # noqa: E402
 from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402

@@ -11,22 +11,22 @@ Why: a round must end where a KDA state can be checkpointed and named: on the gr
     ``max(64, page_size)`` counted from the sequence start. Upstream rounds the chunk *length*, so
     a request resuming from an off-grid prefix never lands on the grid again. And a long prompt's
     chunk takes every round's budget, so short requests wait for the whole prompt.
-How: each adder gets an :class:`sglang_kda.policy.adder.AdderRound` (``_kda``), which decides
-    (applied by ``cut_admission``, ``add_one`` and ``add_chunked`` of
-    :mod:`sglang_kda.policy.adder`): a chunked admission's ``extend_len`` and a continuing chunk's
-    length become grid-aligned cuts (never longer than upstream's, so every upstream budget check
-    still holds); while the round holds an unfinished chunked request (SGLang tracks one) a cut
-    admission is turned down (``AddReqResult.CONTINUE``), and an admission that stays chunked closes
-    the chunk budget; ``add_one_req`` makes a twin (a candidate sharing an uncached prefix with a
-    request admitted this round, ``--kda-twins``) wait for its checkpoints (``CONTINUE`` without
-    admitting it). A request turned down keeps its place in the queue; the state slot its match
-    staged is given back, so requests behind it are still considered. Before ``add_chunked_req``
-    cuts the next chunk, the in-flight request jumps to the deepest checkpoint cached meanwhile
+How: each adder gets an :class:`sglang_kda.policy.adder.AdderRound` (``_kda``), the admission pass
+    the simulator runs too, which decides (applied by :mod:`sglang_kda.wiring.adder`): a chunked
+    admission's ``extend_len`` and a continuing chunk's length become grid-aligned cuts (never
+    longer than upstream's, so every upstream budget check still holds); while the round holds an
+    unfinished chunked request (SGLang tracks one) a cut admission is turned down
+    (``AddReqResult.CONTINUE``), and an admission that stays chunked closes the chunk budget;
+    ``add_one_req`` makes a twin (a candidate sharing an uncached prefix with a request admitted
+    this round, ``--kda-twins``) wait for its checkpoints (``CONTINUE`` without admitting it). A
+    request turned down keeps its place in the queue; the state slot its match staged is given back,
+    so requests behind it are still considered. Before ``add_chunked_req`` cuts the next chunk, the
+    in-flight request jumps to the deepest checkpoint cached meanwhile
     (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``shortest_prefill_chunk_limit``
     returns :func:`sglang_kda.policy.round.make_room`'s limit under every schedule policy, so
     waiting requests that fit whole enter beside a long prompt (the serial budget's wrapper passes
-    its planned share as ``_kda_keep``/``_kda_cap`` on the policy object). Only
-    with ``--kda-policy kda``.
+    its planned share for the call: :data:`sglang_kda.wiring.adder.ROUND_SHARE`). Only with
+    ``--kda-policy kda``.
 Seam: rebinding the methods (upstream's reachable as ``__wrapped__``).
 Remove when: upstream aligns chunk ends to absolute grid positions for all KDA models.
 """
@@ -55,7 +55,8 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.policy import adder as ad
+    from sglang_kda.policy.adder import AdderRound, adder_grid
+    from sglang_kda.wiring import adder as ad
 
     mod = importlib.import_module(UPSTREAM)
     cls, policy_cls = mod.PrefillAdder, mod.SchedulePolicy
@@ -72,9 +73,9 @@ def apply(ctx) -> None:
     @functools.wraps(orig_init)
     def __init__(self, page_size, *args, **kwargs):
         orig_init(self, page_size, *args, **kwargs)
-        grid = ad.adder_grid(self.page_size, getattr(self, "is_hybrid_ssm_cache", False))
+        grid = adder_grid(self.page_size, getattr(self, "is_hybrid_ssm_cache", False))
         every = ctx.config.checkpoint_every_tokens(self.page_size) if grid > 1 else 0
-        self._kda = ad.AdderRound(grid, twins, every=every)
+        self._kda = AdderRound(grid, twins, every=every)
         ad.begin_pass(self._kda, self.tree_cache)
 
     @functools.wraps(orig_select)
@@ -84,10 +85,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
         orig_commit(self, req, admission, *args, **kwargs)
-        ad.book_slice(self._kda, self.tree_cache, req)
-        self._kda.checkpoint_admission(admission.prefix_len)
-        if admission.is_chunked:
-            self.rem_chunk_tokens = self._kda.closed_budget(self.rem_chunk_tokens)
+        ad.commit_admission(self._kda, self, req, admission)
 
     @functools.wraps(orig_add_one)
     def add_one_req(self, req, has_chunked_req, truncation_align_size):
@@ -101,7 +99,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_limit)
     def shortest_prefill_chunk_limit(self, chunked_req, waiting_queue, budget, page_size):
         hybrid = self.tree_cache.supports_mamba()
-        keep, cap = getattr(self, "_kda_keep", None), getattr(self, "_kda_cap", None)
+        keep, cap = ad.ROUND_SHARE.get()
         return ad.in_flight_limit(chunked_req, waiting_queue, budget, page_size, hybrid, keep, cap)
 
     @functools.wraps(orig_ignore_eos)
@@ -113,7 +111,7 @@ def apply(ctx) -> None:
     def floor_chunked_tokens(self, trunc_len: int, remaining: int) -> int:
         if self._kda.grid <= 1 or trunc_len <= 0:
             return orig_floor(self, trunc_len, remaining)
-        return self._kda.cut(self._kda.prefix_len, trunc_len, remaining)
+        return ad.floor_chunk(self._kda, trunc_len, remaining)
 
     cls.__init__ = __init__
     cls._select_prefill_admission = _select_prefill_admission

@@ -1,4 +1,4 @@
-"""The serial budget's runtime in one scheduler process (:mod:`sglang_kda.policy.runtime`) and
+"""The serial budget's runtime in one scheduler process (:mod:`sglang_kda.wiring.budget`) and
 the prefill adder's round state (:mod:`sglang_kda.policy.adder`), without a server: plain
 values in, decisions and bookkeeping out."""
 
@@ -14,9 +14,10 @@ import pytest
 
 from sglang_kda.cache.stats import STATS
 from sglang_kda.config import KDAConfig
-from sglang_kda.policy import runtime as rt
-from sglang_kda.policy import adder as ad
-from sglang_kda.policy.adder import AdderRound, adder_grid, leaders_of
+from sglang_kda.wiring import budget as rt
+from sglang_kda.policy.adder import AdderRound, adder_grid
+from sglang_kda.wiring import adder as ad
+from sglang_kda.wiring.adder import leaders_of
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda.state import RECENT_CUTS
 
@@ -331,7 +332,9 @@ def test_cuts_end_on_the_grid_and_are_recorded():
     st = AdderRound(adder_grid(1, hybrid_ssm=True))
     assert st.grid == 64 and adder_grid(1, hybrid_ssm=False) == 1
     assert st.cut(prefix_len=100, budget=200, remaining=1000) == 156  # ends at 256
-    assert RECENT_CUTS[-1] == (100, 200, 1000, 156)
+    assert st.cuts == [(100, 200, 1000, 156)]  # the pass keeps it; the wiring records it
+    ad.record(st)
+    assert RECENT_CUTS[-1] == (100, 200, 1000, 156) and st.cuts == []
 
 
 def test_one_unfinished_chunked_request_per_round():
@@ -342,6 +345,9 @@ def test_one_unfinished_chunked_request_per_round():
     before = STATS.as_dict().get("passed_over_while_chunked", 0)
     assert st.refuse_cut(req)
     assert st.was_refused(req) and not st.was_refused(req)  # asked once
+    assert st.counts["passed_over_while_chunked"] == 1
+    assert STATS.as_dict().get("passed_over_while_chunked", 0) == before  # pure: not yet
+    ad.record(st)
     assert STATS.as_dict()["passed_over_while_chunked"] == before + 1
     assert st.closed_budget(300) == 0 and st.closed_budget(None) is None
     assert AdderRound(1).closed_budget(300) == 300  # no KDA states: upstream's budget
@@ -392,10 +398,10 @@ def test_pending_slices_last_one_round_and_leave_in_launch_order():
     owner, req = NS(), NS(full_untruncated_fill_ids=list(range(300)), prefix_len=0, extend_end=64)
     book = ad.pass_book(owner)
     book.begin()
-    book.admitted(req)  # pass 1: [0, 64)
+    book.admitted(req, ad.leader_of(req))  # pass 1: [0, 64)
     assert len(book.begin()) == 1  # pass 2 sees it
     req.prefix_len, req.extend_end = 64, 128
-    book.admitted(req)  # pass 2: [64, 128)
+    book.admitted(req, ad.leader_of(req))  # pass 2: [64, 128)
     book.processed([req])  # pass 1's result: its slice leaves first
     assert [(p.start, p.end) for p in book.begin()] == [(64, 128)]  # pass 3
     assert book.begin() == [] and len(book) == 0  # a result that never comes: dropped

@@ -21,7 +21,7 @@ from sglang_kda.cache.capture import ForwardCapture
 from sglang_kda.cache.eviction import parse_eviction
 from sglang_kda.cache.stats import STATS
 from sglang_kda.config import KDAConfig
-from sglang_kda.policy.adder import slices_processed
+from sglang_kda.wiring.adder import slices_processed
 
 logger = logging.getLogger(__name__)
 

@@ -1,47 +1,52 @@
-"""sglang_kda's part of one SGLang ``PrefillAdder`` (one admission pass of one round).
+"""One admission pass of one scheduler round: the rules sglang_kda adds to SGLang's.
 
-``patches/schedule_policy.py`` keeps an :class:`AdderRound` beside each ``PrefillAdder`` and asks
-it at each step of the pass (the functions at the end of the module apply its answers to
-SGLang's objects: :func:`cut_admission`, :func:`add_one`, :func:`add_chunked`):
+SGLang builds a round in ``get_new_batch_prefill``: the in-flight chunked request first
+(``PrefillAdder.add_chunked_req``), then waiting requests in queue order (``add_one_req``) while
+the round's budgets allow. :class:`AdderRound` is this project's part of that pass, asked at each
+step. Both hosts drive it the same way:
+
+* the server: ``patches/schedule_policy.py`` keeps one beside each ``PrefillAdder``; the glue
+  that reads SGLang's requests and applies the answers is :mod:`sglang_kda.wiring.adder`;
+* the simulator: :meth:`sglang_kda.sim.engine.Rank.step` builds one per round.
+
+The rules:
 
 * **Cuts on the grid** (:meth:`AdderRound.cut`): a chunked admission's length and a continuing
   chunk's length end on the absolute checkpoint grid
-  (:func:`sglang_kda.policy.grid.aligned_chunk_len`; never longer than what upstream chose), and
-  each cut is recorded in :data:`sglang_kda.state.RECENT_CUTS` (shown by ``/server_info``).
+  (:func:`sglang_kda.policy.grid.aligned_chunk_len`; never longer than the host's budget).
+* **Short requests enter beside the in-flight one** (:meth:`AdderRound.inflight_limit`,
+  :func:`sglang_kda.policy.round.make_room`).
 * **One unfinished chunked request per round** (SGLang tracks a single ``chunked_req``): while
   the round holds one, an admission that would be cut is turned down
   (:meth:`AdderRound.refuse_cut`), and a request admitted chunked closes the round's chunk budget
   (:meth:`AdderRound.closed_budget`).
 * **Twins wait** (:meth:`AdderRound.twin_waits`, ``--kda-twins``): a candidate that shares an
   uncached prefix with a request admitted in the same round waits for its checkpoints
-  (:func:`sglang_kda.policy.admission.twin_gain`). Under the overlap scheduler the previous
-  round's prefill slices count too: SGLang plans round N+1 before it processes round N's result,
-  so N's checkpoints are not in the tree yet when N+1 admits (:class:`PassBook`).
-* Counters of what the pass did go to :data:`sglang_kda.cache.stats.STATS`.
+  (:func:`sglang_kda.policy.admission.twin_gain`, at the checkpoint spacing: a twin waits only
+  for a checkpoint it can reach). Under the overlap scheduler the previous round's prefill slices
+  count too (:class:`PassBook`).
 
-A request turned down this way stays in the waiting queue; the state slot its match staged is
-given back (:func:`release_staged_state`, as upstream's loop does for a request it does not
-admit), so requests behind it are still considered.
+Pure: token ids, positions and opaque request handles in; decisions out. What the pass did is
+kept on the object (:attr:`AdderRound.counts`, :attr:`AdderRound.cuts`); the host records it
+(the server into ``/server_info`` counters, :func:`sglang_kda.wiring.adder.record`; the simulator
+into its rank's counts). No SGLang import, no global state.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Hashable, Iterable, Optional, Sequence
 
-from sglang_kda.cache.stats import STATS
 from sglang_kda.policy.admission import Leader, twin_gain
 from sglang_kda.policy.grid import aligned_chunk_len, checkpoint_grid
 from sglang_kda.policy.round import make_room
-from sglang_kda.state import RECENT_CUTS
 
 
 @dataclass
 class AdderRound:
-    """The pass's state: grid (1: the tree cache holds no KDA states, nothing is cut) and
-    whether twins wait (``--kda-twins on``)."""
+    """The pass's state: grid (1: the tree cache holds no KDA states, nothing is cut), whether
+    twins wait (``--kda-twins on``) and the checkpoint spacing (0: the grid)."""
 
     grid: int
     twins: bool = True
@@ -52,12 +57,42 @@ class AdderRound:
     # the previous pass's slices whose checkpoints are not in the tree yet (:class:`PassBook`)
     pending: list = field(default_factory=list)
     every: int = 0  # checkpoint spacing (``--kda-checkpoint-every``, a grid multiple); 0: grid
+    # what the pass did, for the host to record: counter name -> amount, and each cut taken as
+    # (prefix_len, budget, remaining, taken)
+    counts: Counter = field(default_factory=Counter)
+    cuts: list = field(default_factory=list)
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         """The chunk length ending on the grid (see the module docstring), recorded."""
         taken = aligned_chunk_len(prefix_len, budget, remaining, self.grid)
-        RECENT_CUTS.append((prefix_len, budget, remaining, taken))
+        self.cuts.append((prefix_len, budget, remaining, taken))
         return taken
+
+    def inflight_limit(
+        self,
+        budget: int,
+        done: int,
+        remaining: int,
+        waiting_work: Sequence[int],
+        page_size: int,
+        keep: Optional[int] = None,
+        cap: Optional[int] = None,
+    ) -> Optional[int]:
+        """The most tokens the in-flight chunked request takes this round so that short waiting
+        requests enter beside it (``None``: no limit; counted when room was made)."""
+        room = make_room(
+            budget,
+            done,
+            remaining,
+            waiting_work,
+            self.grid if self.grid > 1 else page_size,
+            page_size,
+            keep=keep,
+            cap=cap,
+        )
+        if room.admitted:
+            self.counts["rounds_made_room"] += 1
+        return room.limit
 
     def refuse_cut(self, req: Any) -> bool:
         """An admission of ``req`` would be cut: turn it down while the round already holds an
@@ -71,7 +106,7 @@ class AdderRound:
         if self.refused is not req:
             return False
         self.refused = None
-        STATS.add("passed_over_while_chunked")
+        self.counts["passed_over_while_chunked"] += 1
         return True
 
     def closed_budget(self, rem_chunk_tokens: Optional[int]) -> Optional[int]:
@@ -95,19 +130,25 @@ class AdderRound:
         # checkpoints sit every ``every`` tokens: a twin waits only for one it can reach
         if not twin_gain(ids, prefix_len, max_prefix, leaders, self.every or self.grid):
             return False
-        STATS.add("twin_waits")
+        self.counts["twin_waits"] += 1
         self.twin_waiting = True
         return True
 
     def admitted(self, n_before: int, n_after: int) -> None:
         """Count an admission made past a waiting twin."""
         if self.twin_waiting and n_after > n_before:
-            STATS.add("admitted_past_waiting_twin")
+            self.counts["admitted_past_waiting_twin"] += 1
 
     def checkpoint_admission(self, prefix_len: int) -> None:
         """An admission resumed from ``prefix_len`` cached tokens (checkpoints, on the grid)."""
         if self.grid > 1 and prefix_len > 0:
-            STATS.add("tokens_from_checkpoints_admission", prefix_len)
+            self.counts["tokens_from_checkpoints_admission"] += prefix_len
+
+    def drain(self) -> tuple[Counter, list]:
+        """What the pass counted and cut since the last drain (then forgotten here)."""
+        out = self.counts, self.cuts
+        self.counts, self.cuts = Counter(), []
+        return out
 
 
 def adder_grid(page_size: int, hybrid_ssm: bool) -> int:
@@ -126,11 +167,13 @@ class PassBook:
     drops each of its requests' oldest slice (results are processed in launch order). A pass sees
     the previous pass's slices still pending as leaders; older ones are dropped, so a follower
     waits at most one round longer than without overlap, even if a step's result never comes.
+
+    Requests are opaque handles here (the book holds each, so its ``id`` is not reused).
     """
 
     def __init__(self) -> None:
         self.n = 0  # passes begun
-        # id(req) -> deque of (pass, Leader, req); the req is held so its id is not reused
+        # id(req) -> deque of (pass, Leader, req)
         self._slices: dict[int, deque] = {}
 
     def begin(self) -> list[Leader]:
@@ -146,9 +189,9 @@ class PassBook:
                 del self._slices[key]
         return pending
 
-    def admitted(self, req: Any) -> None:
-        """``req`` runs [prefix_len, extend_end) in the current pass."""
-        self._slices.setdefault(id(req), deque()).append((self.n, leader_of(req), req))
+    def admitted(self, req: Hashable, leader: Leader) -> None:
+        """``req`` computes ``leader``'s slice in the current pass."""
+        self._slices.setdefault(id(req), deque()).append((self.n, leader, req))
 
     def processed(self, reqs: Iterable[Any]) -> None:
         """A prefill step's result was processed: its requests' checkpoints are in the tree."""
@@ -161,141 +204,3 @@ class PassBook:
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._slices.values())
-
-
-def pass_book(tree_cache: Any) -> PassBook:
-    """The tree cache's :class:`PassBook` (one per scheduler)."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is None:
-        book = tree_cache._kda_pass_book = PassBook()
-    return book
-
-
-def slices_processed(tree_cache: Any, reqs: Iterable[Any]) -> None:
-    """A prefill step's result was processed (its checkpoints inserted): update the book."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is not None:
-        book.processed(reqs)
-
-
-# -- the edge: SGLang's requests ---------------------------------------------------------------
-def leader_of(req: Any) -> Leader:
-    """An admitted request as the twin rule sees it: its tokens and the slice it computes."""
-    return Leader(req.full_untruncated_fill_ids, req.prefix_len, req.extend_end)
-
-
-def leaders_of(reqs: Iterable[Any]) -> list[Leader]:
-    """The requests admitted so far in the pass, as the twin rule sees them."""
-    return [leader_of(r) for r in reqs]
-
-
-def begin_pass(st: AdderRound, tree_cache: Any) -> None:
-    """A ``PrefillAdder`` was built: note the previous pass's unprocessed slices as leaders."""
-    if st.twins_wait:
-        st.pending = pass_book(tree_cache).begin()
-
-
-def book_slice(st: AdderRound, tree_cache: Any, req: Any) -> None:
-    """``req`` was admitted (or continues chunked) in this pass: book its slice."""
-    if st.twins_wait:
-        pass_book(tree_cache).admitted(req)
-
-
-def waiting_work(req: Any) -> int:
-    """Tokens a waiting request would prefill (upstream's own estimate; an upper bound before
-    its prefix is matched)."""
-    return len(req.origin_input_ids) + len(req.output_ids) - (req.num_matched_prefix_tokens or 0)
-
-
-def in_flight_limit(
-    chunked_req: Any,
-    waiting_queue: Sequence[Any],
-    budget: int,
-    page_size: int,
-    hybrid_ssm: bool,
-    keep: Optional[int] = None,
-    cap: Optional[int] = None,
-) -> Optional[int]:
-    """The most tokens the in-flight chunked request takes this round so that short waiting
-    requests enter beside it (:func:`sglang_kda.policy.round.make_room`; ``None``: no limit)."""
-    room = make_room(
-        budget,
-        chunked_req.prefix_len,
-        len(chunked_req.full_untruncated_fill_ids) - chunked_req.prefix_len,
-        [waiting_work(r) for r in waiting_queue],
-        checkpoint_grid(page_size) if hybrid_ssm else page_size,
-        page_size,
-        keep=keep,
-        cap=cap,
-    )
-    if room.admitted:
-        STATS.add("rounds_made_room")
-    return room.limit
-
-
-def cut_admission(st: AdderRound, req: Any, adm: Any, turned_down: Any) -> Any:
-    """Upstream's admission of ``req`` (``adm``, or an ``AddReqResult``) as the pass takes it: a
-    chunked admission is ``turned_down`` (upstream's ``AddReqResult.CONTINUE``) while the round
-    holds an unfinished chunked request (:meth:`AdderRound.refuse_cut`), else cut on the grid."""
-    if not getattr(adm, "is_chunked", False):
-        return adm
-    if st.refuse_cut(req):  # one unfinished chunked request per round
-        return turned_down
-    if st.grid <= 1:
-        return adm
-    remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
-    taken = st.cut(adm.prefix_len, adm.extend_len, remaining)
-    return dataclasses.replace(adm, extend_len=taken)
-
-
-def add_one(
-    st: AdderRound, adder: Any, req: Any, add: Callable, turned_down: Any, *args: Any
-) -> Any:
-    """One waiting request through upstream's ``PrefillAdder.add_one_req`` (``add(adder, req,
-    *args)``): a twin waits (``turned_down``, not admitted); a request turned down, here or by
-    :func:`cut_admission`, gives back the state its match staged; an admission made past a
-    waiting twin is counted."""
-    if st.twins_wait and (adder.can_run_list or st.pending):
-        ids = req.full_untruncated_fill_ids
-        limit = req._compute_max_prefix_len(len(ids))
-        leaders = leaders_of(adder.can_run_list) + st.pending
-        if st.twin_waits(ids, req.prefix_len, limit, leaders):
-            release_staged_state(adder.tree_cache, req)
-            return turned_down
-    n_before = len(adder.can_run_list)
-    res = add(adder, req, *args)
-    if st.was_refused(req):
-        release_staged_state(adder.tree_cache, req)
-        return res
-    st.admitted(n_before, len(adder.can_run_list))
-    return res
-
-
-def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
-    """The in-flight chunked request through upstream's ``PrefillAdder.add_chunked_req``
-    (``add(adder, req)``): first it jumps to the deepest checkpoint cached meanwhile
-    (:func:`sglang_kda.cache.checkpoints.resume_in_flight`) and its prefix is noted for the cut;
-    if it stays chunked (running this round or parked), the round holds it."""
-    if st.grid > 1:
-        from sglang_kda.cache.checkpoints import resume_in_flight
-
-        resume_in_flight(adder.tree_cache, req)
-    st.prefix_len = req.prefix_len
-    n_before = len(adder.can_run_list)
-    still_chunked = add(adder, req)
-    if still_chunked is not None:  # running this round or parked: either way it is the one
-        st.round_chunked = True
-    if len(adder.can_run_list) > n_before:  # it runs a slice this round
-        book_slice(st, adder.tree_cache, req)
-    return still_chunked
-
-
-def release_staged_state(tree_cache: Any, req: Any) -> None:
-    """Undo what the request's match staged for this round (upstream's scheduler loop does the
-    same for a request ``add_one_req`` turns down): the deferred copy-on-write of the matched
-    state and the fresh state slot it was to go into (not a session's slot)."""
-    req.kv.mamba_cow_src_index = None
-    req.kv.mamba_needs_clear = False
-    if req.kv.holds_mamba and not getattr(req, "session", None):
-        tree_cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
-        req.kv.mamba_pool_idx = None

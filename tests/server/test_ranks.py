@@ -10,7 +10,7 @@ The serial budget at TP 2 (``tp2`` only): TP rank 0 plans every round, both rank
 Each TP rank runs its own scheduler; with the budget on they must still build the same batch
 every round (else the ranks' forwards disagree or hang). TP rank 0 plans from its own clock and
 cost model and broadcasts the round's orders over the TP CPU group
-(:meth:`sglang_kda.policy.runtime.BudgetRuntime.plan`). Checked from each rank's own report
+(:meth:`sglang_kda.wiring.budget.BudgetRuntime.plan`). Checked from each rank's own report
 (``/server_info`` ``sglang_kda.ranks``): both count the same rounds, by mode, and the counts
 move; only rank 0 times steps and books deadlines; greedy tokens equal the single-rank (TP1)
 reference forward; a decode stream and a long chunked prompt run together to the end.

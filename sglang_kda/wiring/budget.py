@@ -52,6 +52,7 @@ from sglang_kda.policy.cost_model import (
 from sglang_kda.policy.grid import checkpoint_grid
 from sglang_kda.policy.round import Decision, RoundPlanner
 from sglang_kda.steps import batch_shape
+from sglang_kda.wiring.adder import ROUND_SHARE
 
 logger = logging.getLogger(__name__)
 
@@ -635,9 +636,9 @@ def round_inputs(sched: Any, dec: Decision, running_batch: Any):
     """Set, for one call of upstream's prefill-batch builder, the inputs it reads each round,
     all put back after: ``chunked_prefill_size`` (the chunk budget; the mixed decode tokens
     upstream takes out of it are given back), ``is_mixed_chunk`` (decode rides along), the
-    in-flight request's share as ``_kda_keep``/``_kda_cap`` on the schedule policy (read by
-    :func:`sglang_kda.policy.adder.in_flight_limit`'s wiring) and the plan's head first after
-    its ``calc_priority`` (:func:`head_first`)."""
+    in-flight request's share (:data:`sglang_kda.wiring.adder.ROUND_SHARE`, read by
+    :func:`sglang_kda.wiring.adder.in_flight_limit`) and the plan's head first after its
+    ``calc_priority`` (:func:`head_first`)."""
     head = next((r for r in sched.waiting_queue if r.rid == dec.head), None)
     saved = sched.chunked_prefill_size, sched.is_mixed_chunk
     policy = sched.policy
@@ -647,12 +648,12 @@ def round_inputs(sched: Any, dec: Decision, running_batch: Any):
     mixed = len(running_batch.reqs) if dec.mix_decode else 0
     sched.chunked_prefill_size = dec.chunk_budget + mixed
     sched.is_mixed_chunk = dec.mix_decode
-    policy._kda_keep, policy._kda_cap = dec.keep, dec.cap
+    token = ROUND_SHARE.set((dec.keep, dec.cap))
     try:
         yield
     finally:
         sched.chunked_prefill_size, sched.is_mixed_chunk = saved
-        policy._kda_keep = policy._kda_cap = None
+        ROUND_SHARE.reset(token)
         if head is not None and not had_calc:
             del policy.calc_priority
 
