@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import (
     BatchShape,
@@ -49,7 +50,6 @@ from sglang_kda.policy.cost_model import (
     cache_key,
     default_cache_path,
 )
-from sglang_kda.policy.grid import checkpoint_grid
 from sglang_kda.policy.round import Decision, RoundPlanner
 from sglang_kda.steps import batch_shape
 from sglang_kda.wiring.adder import ROUND_SHARE
@@ -147,23 +147,6 @@ def why_off(
     return None
 
 
-def budget_config(kcfg: Any, page_size: int, chunked_prefill_size: int) -> BudgetConfig:
-    """The budget's settings from the ``--kda-*`` flags (a :class:`sglang_kda.config.KDAConfig`)
-    and the scheduler's page and chunk sizes: slices end on the checkpoint grid and take at
-    most the chunk size, rounded down to the grid."""
-    grid = checkpoint_grid(page_size)
-    return BudgetConfig(
-        itl_target_s=kcfg.itl_target_ms / 1e3 or None,
-        ttft_deadline_s=kcfg.ttft_deadline_ms / 1e3,
-        deadline_s_per_1k=kcfg.deadline_ms_per_1k_tokens / 1e3,
-        grid=grid,
-        max_slice=max(grid, chunked_prefill_size // grid * grid),
-        pace_every=kcfg.pace_every,
-        max_slowdown=kcfg.prefill_max_slowdown,
-        max_round_s=kcfg.max_round_ms / 1e3,
-    )
-
-
 def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     """The cost model saved at ``path`` with this model's layer counts, or the default one when
     there is no usable file (the online fit then learns it from scratch)."""
@@ -242,6 +225,22 @@ class Orders:
     refused: dict = field(default_factory=dict)
 
 
+def decision_dict(dec: Optional[Decision]) -> Optional[dict]:
+    """A round's decision as plain values (the round log's record of it)."""
+    if dec is None:
+        return None
+    return {
+        "mode": dec.plan.mode,
+        "rid": dec.plan.rid,
+        "run_prefill": dec.run_prefill,
+        "chunk_budget": dec.chunk_budget,
+        "keep": dec.keep,
+        "cap": dec.cap,
+        "mix_decode": dec.mix_decode,
+        "head": dec.head,
+    }
+
+
 @dataclass
 class BudgetRuntime:
     """The budget's state in one scheduler process.
@@ -261,6 +260,9 @@ class BudgetRuntime:
     share: Optional[Share] = None
     clock: StepClock = field(default_factory=StepClock)
     last_drift_log: int = -(10**9)
+    # the last planned round's inputs and decision as the round log writes them
+    # (sglang_kda.wiring.round_log); None until a round is planned
+    last_round: Optional[dict] = None
 
     @property
     def book(self):
@@ -337,16 +339,25 @@ class BudgetRuntime:
     ) -> Optional[Decision]:
         """Plan the round (:meth:`RoundPlanner.decide` with this process's cost model and its
         recent error); ``None``: nothing to prefill, upstream's round runs."""
+        error, overhead, slow = self.fit.error_ema, self.clock.gap_s, self.fit.slow_factor()
+        self.last_round = {
+            "now": now,
+            "coef": dict(self.model.coef.__dict__),
+            "error": error,
+            "overhead": overhead,
+            "slow": slow,
+        }
         dec = self.planner.decide(
             self.model,
             now,
             decode_ctx,
             queue,
             inflight=inflight,
-            error=self.fit.error_ema,
-            overhead=self.clock.gap_s,
-            slow=self.fit.slow_factor(),
+            error=error,
+            overhead=overhead,
+            slow=slow,
         )
+        self.last_round["decision"] = decision_dict(dec)
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
         return dec
