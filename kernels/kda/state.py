@@ -98,10 +98,11 @@ def chunk_kda_fwd_h_kernel(
         # a negative pool index marks a padded entry: zero state, nothing read or written
         b_h += tl.load(p_h0, mask=m_h & (i_s >= 0), other=0.0).to(tl.float32)
 
-    kg += (bos * H + i_h) * K
-    w += (bos * H + i_h) * K
-    g_cum += (bos * H + i_h) * K
-    u += (bos * H + i_h) * V
+    i_bh = bos * H + i_h
+    kg += i_bh * K
+    w += i_bh * K
+    g_cum += i_bh * K
+    u += i_bh * V
     h += (boh * H + i_h) * (K * V)
     DT = w.dtype.element_ty
     if SAVE_CHECKPOINTS:
