@@ -47,6 +47,7 @@ PATCH_MODULES = (
     "disaggregation_mooncake",
     "disaggregation_prefill",
     "round_log",
+    "disaggregation_decode",
 )
 
 _applied: list[str] = []
