@@ -48,6 +48,9 @@ PATCH_MODULES = (
     "disaggregation_prefill",
     "round_log",
     "disaggregation_decode",
+    "pool_host_common",
+    "pool_host_mla",
+    "pool_host_mamba",
 )
 
 _applied: list[str] = []
