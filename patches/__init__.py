@@ -51,6 +51,8 @@ PATCH_MODULES = (
     "pool_host_common",
     "pool_host_mla",
     "pool_host_mamba",
+    "unified_radix_cache",
+    "hybrid_pool_assembler",
 )
 
 _applied: list[str] = []

@@ -232,6 +232,16 @@ class KDAConfig:
         "`--kda-eviction`. `0` = bounded only by SGLang's state pool (`--max-mamba-cache-size`), "
         "which live requests share.",
     )
+    host_state_pool: int = flag(
+        0,
+        non_negative_int("states; 0 = SGLang's --hicache-ratio x the device state pool"),
+        "`0` or a number of states",
+        "With `--enable-hierarchical-cache`: the KDA states (checkpoints) the host tier holds; "
+        "SGLang's HiCache writes every tree state through to it, and a state the device pool "
+        "sheds stays there and comes back on a hit. `0` = SGLang's sizing, `--hicache-ratio` "
+        "(default 2) x the device state pool. A host pool smaller than one longest prompt's "
+        "checkpoints is warned about at start with the numbers (sglang_kda/cache/host_tier.py).",
+    )
     eviction: str = flag(
         "marconi",
         eviction_rule,
