@@ -18,8 +18,9 @@ only decodes. Checked:
 - prefill server killed while a long prompt is prefilled: the client gets an error, the decode
   server drops the request when its heartbeat finds the prefill server gone (SGLang's
   ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`` 5 s x ``_MAX_FAILURE`` 2) and frees its slots
-  (its flushed pools are as full as before), and serves a new request once a prefill server
-  (the spare, started beside the others) is back;
+  (its flushed pools are as full as before; the KV pages once SGLang's deferred release gives
+  up on the dead prefill's acknowledgement, 30 s), and serves a new request once a prefill
+  server (the spare, started beside the others) is back;
 - decode server killed while a long prompt is prefilled and sent: the client gets an error, the
   prefill server frees the request's KV and state slots (its flushed pools are as full as
   before, the integrity walk passes) and serves the next request.
@@ -133,34 +134,34 @@ class PDRouter(Router):
 
 
 class PD:
-    """The servers of this module: ``router``/``prefill``/``decode`` (the pair the first tests
-    use), and two more prefill servers started beside them, reached through :meth:`spare` and
-    :meth:`mismatched` (each with its own router to the same decode server)."""
+    """The servers of this module: the first pair, and two more prefill servers started beside
+    them, each with its own router to the same decode server (:meth:`pair`). Every router starts
+    as soon as its two servers are ready, while earlier tests run."""
 
     def __init__(self, log_dir, futures: dict, bootstraps: dict) -> None:
         self.log_dir, self._futures, self._bootstraps = log_dir, futures, bootstraps
-        self.routers: dict[str, PDRouter] = {}
+        self._pool = ThreadPoolExecutor(len(bootstraps))
+        self._routers = {name: self._pool.submit(self._router, name) for name in bootstraps}
 
     def server(self, name: str) -> Server:
         return self._futures[name].result()
 
-    def pair(self, name: str) -> tuple[PDRouter, Server, Server]:
-        """(router, prefill server ``name``, decode server); the router starts on first use."""
+    def _router(self, name: str) -> PDRouter:
         prefill, decode = self.server(name), self.server("decode")
-        if name not in self.routers:
-            self.routers[name] = PDRouter(
-                prefill, self._bootstraps[name], decode, self.log_dir / f"router-{name}.log"
-            )
-        return self.routers[name], prefill, decode
+        log = self.log_dir / f"router-{name}.log"
+        return PDRouter(prefill, self._bootstraps[name], decode, log)
+
+    def pair(self, name: str) -> tuple[PDRouter, Server, Server]:
+        """(router, prefill server ``name``, decode server)."""
+        return self._routers[name].result(), self.server(name), self.server("decode")
 
     def live_pair(self) -> tuple[PDRouter, Server, Server]:
         """The first pair while its prefill server lives, else the spare pair."""
         return self.pair("prefill" if self.server("prefill").proc.poll() is None else "spare")
 
     def stop(self) -> None:
-        for r in self.routers.values():
-            r.stop()
-        for f in self._futures.values():
+        self._pool.shutdown(wait=True)
+        for f in [*self._routers.values(), *self._futures.values()]:
             try:
                 f.result().stop()
             except Exception:  # it did not start; its error was raised where it was needed
