@@ -6,8 +6,9 @@ build_mamba_host_pool``) driven by its ``HybridCacheController``: under the defa
 ``write_through`` policy each new tree node's KV pages and KDA state are copied to the host as it
 is inserted; a device eviction of a backed-up state only drops the device copy (the node keeps
 its host value and joins the host LRU); a later match that ends on such a node loads the host
-state back into the *request's own* state slot (``MambaComponent.prepare_load_back``), so the
-tree never shares a live slot. sglang_kda adds no cache of its own; this module adds:
+state back into a fresh device slot the node holds again and into the *request's own* state
+slot (``MambaComponent.build_hicache_transfers``, ``prepare_load_back``), so the tree never
+shares a live slot. sglang_kda adds no cache of its own; this module adds:
 
 * the host pool's size in states (``--kda-host-state-pool``, :func:`host_ratio`) and the start
   check of :func:`capacity_warning` (upstream #39436: a host pool smaller than one prompt's
@@ -208,11 +209,21 @@ def host_integrity(tree_cache, strict: bool = True) -> Optional[dict]:
 
 def note_load_back(tree_cache, node_id, host_only_before: bool, ok: bool) -> None:
     """After SGLang's ``load_back`` of ``node_id``: a KDA state that was on the host only and
-    was loaded counts one host promotion (into the request's own slot)."""
+    was loaded counts one host hit. SGLang's load-back promotes it twice: into a fresh device
+    slot the node holds again (the device tier) and into the request's own slot (a copy); the
+    node goes back into the state book, so the device tier's eviction rule sees it (unlisted,
+    it made the rule fall back to SGLang's LRU)."""
+    from sglang_kda.cache.checkpoints import note_state
     from sglang_kda.cache.stats import STATS
 
     if ok and host_only_before:
         STATS.add("host_state_hits")
+        try:
+            held = tree_cache.tree_core.get_component_device_value(node_id, _mamba())
+        except Exception:  # noqa: BLE001 - the node is gone
+            held = None
+        if held is not None:
+            note_state(tree_cache, node_id)
 
 
 def evict_host_states(tree_cache, n: int, alpha: Optional[float], orig_evict_host) -> int:

@@ -136,6 +136,7 @@ def test_host_tier_serves_what_the_device_tier_shed(servers, ref, capsys):
             "prefill": after["prefill_tokens_computed"] - mid["prefill_tokens_computed"],
             "host_hits": after["host_state_hits"] - mid["host_state_hits"],
             "evicted": after["checkpoints_evicted"] - before["checkpoints_evicted"],
+            "lru_fallbacks": after["eviction_lru_fallbacks"] - before["eviction_lru_fallbacks"],
             "integrity": after["integrity"],
         }
     with capsys.disabled():
@@ -146,6 +147,8 @@ def test_host_tier_serves_what_the_device_tier_shed(servers, ref, capsys):
     host, device = rows["host"], rows["device"]
     assert device["evicted"] > 0 and host["evicted"] > 0  # the workload overflows the device
     assert host["host_hits"] >= 1 and device["host_hits"] == 0
+    # promoted states are in the state book: the rule, not SGLang's LRU, evicts on the device
+    assert host["lru_fallbacks"] == 0 and device["lru_fallbacks"] == 0
     assert host["cached"] > device["cached"]
     assert host["prefill"] < device["prefill"]
     assert host["cached"] + host["prefill"] == device["cached"] + device["prefill"]
