@@ -713,3 +713,62 @@ def test_progress_floor_is_on_the_grid_and_within_the_chunk(done, total_extra, f
     assert 0 < n <= cap
     end = done + n
     assert end % cfg.grid == 0 or n == cap  # the whole chunk is cut on the grid by the adder
+
+
+class _NoSliceShortcut:
+    """A cost model without ``predict_slice`` (the budget builds the shapes itself)."""
+
+    def __init__(self, model):
+        self.m = model
+        self.coef = model.coef
+
+    def predict(self, shape):
+        return self.m.predict(shape)
+
+    def decode_cost(self, decode_ctx):
+        return self.m.decode_cost(decode_ctx)
+
+    def slice_round(self, decode_ctx=()):
+        return self.m.slice_round(decode_ctx)
+
+    def prefill_work(self, start, end):
+        return self.m.prefill_work(start, end)
+
+    def alone_time(self, start, end, max_slice):
+        return self.m.alone_time(start, end, max_slice)
+
+
+def test_plans_do_not_depend_on_the_decode_containers_type_or_the_models_shortcut():
+    """The budget turns the decode contexts into one tuple per round (the H200 model memoises
+    per tuple) and prices slices through ``predict_slice`` where the model has it: the plans are
+    the same, field for field, as with a list and a model without the shortcut."""
+    import random
+
+    from sglang_kda.sim.costs import KimiLinearH200
+
+    rng = random.Random(3)
+    h200 = KimiLinearH200(8)
+    cfgs = [
+        BudgetConfig(grid=64, max_slice=8192),
+        BudgetConfig(grid=64, max_slice=8192, pace_every=20, max_round_s=0.05),
+    ]
+    for _ in range(400):
+        cfg = rng.choice(cfgs)
+        decode = [rng.randrange(100, 200_000) for _ in range(rng.choice((0, 1, 5, 80, 400)))]
+        now = rng.uniform(0, 30)
+        prefills = []
+        for i in range(rng.choice((1, 2, 4))):
+            total = rng.randrange(10, 120_000)
+            p = Prefill(f"r{i}", rng.uniform(0, 60), rng.randrange(0, total), total,
+                        arrival=rng.uniform(-5, now))  # fmt: skip
+            p.alone_s = rng.choice((None, h200.alone_time(0, total, cfg.max_slice)))
+            prefills.append(p)
+        kw = dict(
+            inflight=rng.choice((None, "r0")),
+            since_slice=rng.choice((None, 0, 5, 19)),
+            slice_overshoots=rng.random() < 0.2,
+            since_decode=rng.choice((None, 0, 3)),
+        )
+        want = plan_round(_NoSliceShortcut(h200), cfg, now, list(decode), prefills, **kw)
+        assert plan_round(h200, cfg, now, tuple(decode), prefills, **kw) == want
+        assert plan_round(h200, cfg, now, decode, prefills, **kw) == want

@@ -186,6 +186,7 @@ class RoundPlanner:
         divided by it).
         ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
+        decode_ctx = budget_mod.ctx_tuple(decode_ctx)  # one tuple for all the round's predictions
         present = dict(queue)
         for rid in [r for r in book.live if r not in present]:
             book.drop(rid)
