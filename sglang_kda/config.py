@@ -200,7 +200,7 @@ class KDAConfig:
         "auto",
         KERNELS,
         "KDA kernel path. `torch`: the chunked PyTorch path (kernels/kda_torch.py; CPU, any "
-        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda_triton.py; GPU, "
+        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda/; GPU, "
         "or CPU under `TRITON_INTERPRET=1`); both write SGLang's `extra_buffer` track snapshot, "
         "so the overlap scheduler and any page size run; `upstream`: SGLang's own KDA kernel "
         "(no grid checkpoints); `auto`: torch on CPU; on CUDA `triton` under `--kda-policy kda`, "
