@@ -22,6 +22,12 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   not the whole prompt). With no decode running the prefill takes the largest slice, or with
   ``max_round_s`` the largest whose round fits it (:func:`lone_slice`), so an arrival waits
   for one short round, not one chunk-sized round.
+* **Finishing rounds**: a cut that would leave less than one grid step takes the whole prompt
+  (:func:`whole_within_step`). When the round finishes the head (``share`` covers what it has
+  left), nothing else waits to prefill and decode ran the round before, the prompt runs without
+  the decode tokens if they would delay its first token more than one round's wait delays them
+  (``finish``, :func:`finish_first`; on the CPU engine, where decode costs per stream); decode
+  runs the next round.
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -53,7 +59,9 @@ from typing import Iterable, Sequence
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
-MODES = ("idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst")
+MODES = (
+    "idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst", "finish"
+)
 
 
 @dataclass(frozen=True)
@@ -516,6 +524,32 @@ def _first_in_order(
     return prefills[0]
 
 
+def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
+    """``tokens``, or all that ``p`` has left when a cut at ``tokens`` would leave less than one
+    grid step: a round for those few tokens costs a round's fixed cost and delays the prompt's
+    first token by a whole round, for less than the one grid step a slice may overspend anyway."""
+    end = slice_end(p.done, tokens, p.remaining, grid)
+    return p.remaining if 0 < p.total - end < grid else tokens
+
+
+def finish_first(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
+) -> bool:
+    """Whether the round that finishes ``p`` (``tokens`` covers all it has left) should run
+    without the decode tokens, which then run in the next round. Riding along they delay ``p``'s
+    first token by ``mixed - alone``; waiting one round delays them by ``alone + overhead +
+    decode step - mixed``; the smaller delay wins. Where decode costs per sequence (the CPU
+    engine: three decode streams add ~30 ms to a round, and one more round ~8 ms) the prompt goes
+    first; where a decode token rides along nearly free (GPU models) decode stays in."""
+    if not decode_ctx or p.remaining <= 0 or tokens < p.remaining:
+        return False
+    ctx, cut = tuple(decode_ctx), (Slice(p.done, p.remaining),)
+    mixed = model.predict(BatchShape(ctx, cut))
+    alone = model.predict(BatchShape((), cut))
+    wait = alone + cfg.overhead_s + model.predict(BatchShape(ctx))  # decode's, split
+    return mixed - alone > wait - mixed
+
+
 def plan_round(
     model: CostModel,
     cfg: BudgetConfig,
@@ -555,6 +589,7 @@ def plan_round(
         model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
     )
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
+    share = whole_within_step(head, share, cfg.grid)
     if (
         since_slice is not None
         and cfg.pace_every > 1
@@ -571,6 +606,12 @@ def plan_round(
                     return Plan("pace", head.rid, 0, True, budget, dec, sl)
                 return planned("burst", burst, True, budget)
     if finish_time(model, decode_ctx, head, share, cfg) * cfg.safety <= head.deadline - now:
+        if (
+            since_decode == 0  # decode ran last round: it never waits two rounds in a row
+            and len(pending) == 1  # nothing queued behind it that decode would wait for too
+            and finish_first(model, decode_ctx, head, share, cfg)
+        ):
+            return planned("finish", head.remaining, False)
         return planned("share", share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)
     if need is not None:

@@ -207,7 +207,8 @@ class RoundPlanner:
             since_decode=self.since_decode if decode_ctx else None,
         )
         self.last_plan = plan
-        self.since_decode = self.since_decode + 1 if plan.mode == "alone" else 0  # only with decode
+        # rounds where decode waited, in a row (only with decode)
+        self.since_decode = self.since_decode + 1 if plan.mode in ("alone", "finish") else 0
         self.since_slice = budget_mod.next_since_slice(
             self.since_slice, plan, bool(decode_ctx), self.cfg
         )
