@@ -500,7 +500,8 @@ def state_nbytes(tree_cache) -> int:
 def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
     """Every state the book knows and the tree still holds, with its depth, its nearest
     state-holding ancestor, its heirs (the states that have it as their nearest ancestor: none
-    makes it a branch end, which the rule evicts last) and its last use (stale book entries are
+    makes it a branch end) and how many of them are branch ends (both set the rule's bonus,
+    :class:`~sglang_kda.cache.eviction.Bonus`), and its last use (stale book entries are
     dropped).
 
     One root path per branch, not per state: states are visited deepest first (the book's
@@ -538,6 +539,10 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
     for _, anc_id, _ in found.values():
         if anc_id is not None:
             heirs[anc_id] = heirs.get(anc_id, 0) + 1
+    end_heirs: dict[int, int] = {}  # of those heirs, the branch ends (the rule's bonus)
+    for nid, (_, anc_id, _) in found.items():
+        if anc_id is not None and nid not in heirs:
+            end_heirs[anc_id] = end_heirs.get(anc_id, 0) + 1
     out = []
     for nid in alive:
         if nid not in found:
@@ -554,6 +559,7 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
                 kda_layers=layers,
                 ancestor_id=anc_id,
                 heirs=heirs.get(nid, 0),
+                end_heirs=end_heirs.get(nid, 0),
             )
         )
     return out
