@@ -248,8 +248,10 @@ class KDAConfig:
         "`marconi`, `lru`, or a number alpha >= 0",
         "Which tree-held KDA states go first when the tree sheds states (past the cap above, or "
         "for a new checkpoint's slot): `marconi` = lowest normalized recency + alpha x normalized "
-        "serial KDA steps saved per byte, alpha 1 (sglang_kda/cache/eviction.py: a checkpoint far "
-        "from its nearest cached ancestor is kept longer); a number = that rule with this alpha; "
+        "serial KDA steps saved per byte, alpha 1, + 0.5 for a branch end and 0.5 for the state "
+        "above one (sglang_kda/cache/eviction.py: a checkpoint far from its nearest cached "
+        "ancestor, or where a finished prompt's chain ends, is kept longer); a number = that rule "
+        "with this alpha; "
         "`lru` = SGLang's least recently used.",
     )
     twins: str = choice_flag(
