@@ -229,3 +229,57 @@ def test_short_prompts_beside_a_shared_slice_are_charged_to_the_round_budget():
     shorts = (Slice(0, 300), Slice(0, 300))
     cost = MODEL.predict(BatchShape(tuple(decode), (Slice(640, beside.keep), *shorts)))
     assert cost <= budget or beside.keep == GRID
+
+
+def test_the_slice_beside_shorts_bisects_to_the_end_the_step_by_step_shrink_finds():
+    """``RoundPlanner._slice_beside_shorts`` bisects over the grid (the predicted round grows
+    with the slice); shrinking one grid step at a time, as it did before, ends at the same slice
+    for every case here."""
+    import random
+
+    from sglang_kda.policy import budget as budget_mod
+    from sglang_kda.policy.cost_model import BatchShape, Slice
+    from sglang_kda.sim.costs import KimiLinearH200
+
+    def step_by_step(planner, model, cfg, now, decode_ctx, inflight, present, chunk, tokens):
+        long = planner.book.live[inflight]
+        waiting = [planner.book.live[r] for r in present if r != inflight]
+        grid = cfg.grid
+        first = min((long.done // grid + 1) * grid - long.done, long.remaining)
+        room = make_room(
+            chunk, long.done, long.remaining, [p.remaining for p in waiting], grid,
+            keep=first, cap=tokens,
+        )  # fmt: skip
+        if not room.admitted:
+            return tokens
+        shorts = tuple(Slice(waiting[i].done, waiting[i].remaining) for i in room.admitted)
+        budget_s = budget_mod.round_budget(model, decode_ctx, cfg)
+
+        def cost(n):
+            return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
+
+        floor = budget_mod.progress_floor(model, decode_ctx, long, cfg, now)
+        least = max(first, min(tokens, floor))
+        end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
+        while end - long.done > least and cost(end - long.done) > budget_s:
+            end = max(long.done + least, (end - 1) // grid * grid)
+        return end - long.done
+
+    rng = random.Random(5)
+    for tp in (1, 8):
+        model = KimiLinearH200(tp)
+        for _ in range(300):
+            cfg = BudgetConfig(grid=64, max_slice=8192, max_slowdown=rng.choice((0, 1.75, 4.0)))
+            planner = RoundPlanner(cfg)
+            total = rng.randrange(9000, 300_000)
+            planner.book.admit(model, "long", 0.0, total, 0)
+            planner.book.progress("long", rng.randrange(0, total - 8192))
+            present = {"long": planner.book.live["long"].done}
+            for i in range(rng.randrange(1, 6)):
+                planner.book.admit(model, f"s{i}", 0.0, rng.randrange(1, 3000), 0)
+                present[f"s{i}"] = 0
+            ctx = tuple(rng.randrange(100, 200_000) for _ in range(rng.choice((1, 8, 120))))
+            now, tokens = rng.uniform(0, 20), rng.choice((64, 1000, 4096, 8192))
+            args = (model, cfg, now, ctx, "long", present, 8192 + 4096, tokens)
+            want = step_by_step(planner, *args)
+            assert planner._slice_beside_shorts(*args) == want

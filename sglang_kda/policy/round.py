@@ -263,9 +263,20 @@ class RoundPlanner:
         floor = budget_mod.progress_floor(model, decode_ctx, long, cfg, now)
         least = max(first, min(tokens, floor))
         end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
-        while end - long.done > least and cost(end - long.done) > budget_s:
-            end = max(long.done + least, (end - 1) // grid * grid)
-        return end - long.done
+        lowest = long.done + least
+        if end <= lowest or cost(end - long.done) <= budget_s:
+            return end - long.done
+        # Shrinking one grid step at a time would try the grid points below ``end`` that lie
+        # above ``lowest``, longest first, and stop at the first that fits (else ``lowest``).
+        # The predicted round grows with the slice, so bisection finds the same end.
+        lo, hi = lowest // grid, (end - 1) // grid  # lo: none fits (``lowest``)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cost(mid * grid - long.done) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo * grid if lo * grid > lowest else lowest) - long.done
 
     def observed(self, seconds: float, slices: bool, decode: bool) -> None:
         """A round ran in ``seconds``: a shared round (slices and decode) that overshot its
