@@ -98,8 +98,12 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
       with the overlap scheduler and any ``--page-size``, the configuration GPUs serve with.
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
       float32 checkpoints to float16, which is slow on CPUs and lossy).
-    * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
-      the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots).
+    * ``--mem-fraction-static 0.3`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
+      the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots); the pools
+      themselves are capped by the state-slot count and ``--max-total-tokens`` below, so the
+      fraction only sets how much of the RAM free at start may be gone after the weights load.
+      At 0.1 a server starting beside others on a 24 GiB machine failed that check when they
+      allocated ~2 GB meanwhile ("Loaded weights leave no GPU memory for the KV cache").
     * ``--hicache-io-backend direct`` with ``--enable-hierarchical-cache``: the host tier's copies
       are plain PyTorch on CPU (``patches/pool_host_*.py``); the ``kernel`` backend needs CUDA.
     * ``--max-total-tokens 524288``: KV pool cap (8 x 64k tokens; 168 MB for the tiny model
@@ -123,7 +127,7 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     default("--sleep-on-idle")
     if _has_flag(argv, "--enable-hierarchical-cache"):  # CPU copies: sglang_kda.cpu.kvcacheio
         default("--hicache-io-backend", "direct")
-    default("--mem-fraction-static", "0.1")
+    default("--mem-fraction-static", "0.3")
     default("--max-mamba-cache-size", "256")
     default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
     dtype = _checkpoint_dtype(model_path)

@@ -622,21 +622,26 @@ def evict_states(tree_cache, n: int, alpha: Optional[float], grid: int = GRID) -
     return int(res.mamba_num_evicted)
 
 
-# --- The host tier (SGLang's HiCache; sglang_kda/cache/host_tier.py) ---------------------------
+# --- Tiers below the device pool (SGLang's HiCache: sglang_kda/cache/host_tier.py) ---------------
+# A tier registers itself here when it is imported (the host tier, by the HiCache patches), so this
+# module does not import it: each state node is reported to it, and its half of the integrity walk
+# joins :func:`integrity_report`.
+TIERS: list = []
 
 
 def _note_host_tier(tree_cache, node_id) -> None:
-    """A node that holds a tree state is remembered for the host tier (HiCache only)."""
-    from sglang_kda.cache import host_tier
-
-    host_tier.note_state_node(tree_cache, node_id, state_book(tree_cache).last_access(node_id))
+    """A node that holds a tree state is remembered by the tiers below (HiCache only)."""
+    for tier in TIERS:
+        tier.note_state_node(tree_cache, node_id, state_book(tree_cache).last_access(node_id))
 
 
 def _host_tier_integrity(tree_cache, strict: bool) -> Optional[dict]:
     """The host half of :func:`integrity_report` (None without HiCache)."""
-    from sglang_kda.cache import host_tier
-
-    return host_tier.host_integrity(tree_cache, strict)
+    for tier in TIERS:
+        out = tier.host_integrity(tree_cache, strict)
+        if out is not None:
+            return out
+    return None
 
 
 def eviction_candidates_of(tree_cache, node_ids: list[int], last_access) -> list[Candidate]:

@@ -315,3 +315,17 @@ def check_capacity(pool, config) -> Optional[str]:
     else:
         logger.info("sglang_kda: host state pool of %d KDA states (spacing %d)", slots, spacing)
     return msg
+
+
+def _register() -> None:
+    """Join the checkpoint cache's tiers (:data:`sglang_kda.cache.checkpoints.TIERS`) once."""
+    import sys
+
+    from sglang_kda.cache import checkpoints
+
+    me = sys.modules[__name__]
+    if me not in checkpoints.TIERS:
+        checkpoints.TIERS.append(me)
+
+
+_register()
