@@ -21,10 +21,13 @@ import os
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from sglang_kda.cache.eviction import parse_eviction
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
+
+if TYPE_CHECKING:
+    from sglang_kda.policy.budget import BudgetConfig
 
 ENV_PREFIX = "SGLANG_KDA_"
 
@@ -373,6 +376,27 @@ class KDAConfig:
                 return "torch"
             return "triton" if self.policy == "kda" else "upstream"
         return self.kernel
+
+
+def budget_config(kcfg: KDAConfig, page_size: int, chunked_prefill_size: int) -> BudgetConfig:
+    """The serial budget's settings from the ``--kda-*`` flags and the scheduler's page and chunk
+    sizes: slices end on the checkpoint grid and take at most the chunk size, rounded down to the
+    grid. The server (:mod:`sglang_kda.wiring.budget`) and the simulator
+    (:meth:`sglang_kda.sim.engine.SimConfig`) both build it here."""
+    from sglang_kda.policy.budget import BudgetConfig
+    from sglang_kda.policy.grid import checkpoint_grid
+
+    grid = checkpoint_grid(page_size)
+    return BudgetConfig(
+        itl_target_s=kcfg.itl_target_ms / 1e3 or None,
+        ttft_deadline_s=kcfg.ttft_deadline_ms / 1e3,
+        deadline_s_per_1k=kcfg.deadline_ms_per_1k_tokens / 1e3,
+        grid=grid,
+        max_slice=max(grid, chunked_prefill_size // grid * grid),
+        pace_every=kcfg.pace_every,
+        max_slowdown=kcfg.prefill_max_slowdown,
+        max_round_s=kcfg.max_round_ms / 1e3,
+    )
 
 
 class Flag(NamedTuple):

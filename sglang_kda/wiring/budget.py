@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import (
     BatchShape,
@@ -49,7 +50,6 @@ from sglang_kda.policy.cost_model import (
     cache_key,
     default_cache_path,
 )
-from sglang_kda.policy.grid import checkpoint_grid
 from sglang_kda.policy.round import Decision, RoundPlanner
 from sglang_kda.steps import batch_shape
 from sglang_kda.wiring.adder import ROUND_SHARE
@@ -145,23 +145,6 @@ def why_off(
     if pp_size > 1:
         return "PP > 1 (pipeline stages would plan from different clocks)"
     return None
-
-
-def budget_config(kcfg: Any, page_size: int, chunked_prefill_size: int) -> BudgetConfig:
-    """The budget's settings from the ``--kda-*`` flags (a :class:`sglang_kda.config.KDAConfig`)
-    and the scheduler's page and chunk sizes: slices end on the checkpoint grid and take at
-    most the chunk size, rounded down to the grid."""
-    grid = checkpoint_grid(page_size)
-    return BudgetConfig(
-        itl_target_s=kcfg.itl_target_ms / 1e3 or None,
-        ttft_deadline_s=kcfg.ttft_deadline_ms / 1e3,
-        deadline_s_per_1k=kcfg.deadline_ms_per_1k_tokens / 1e3,
-        grid=grid,
-        max_slice=max(grid, chunked_prefill_size // grid * grid),
-        pace_every=kcfg.pace_every,
-        max_slowdown=kcfg.prefill_max_slowdown,
-        max_round_s=kcfg.max_round_ms / 1e3,
-    )
 
 
 def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
