@@ -46,6 +46,7 @@ PATCH_MODULES = (
     "schedule_batch",
     "disaggregation_mooncake",
     "disaggregation_prefill",
+    "round_log",
 )
 
 _applied: list[str] = []

@@ -335,6 +335,16 @@ class KDAConfig:
         "naming the deadline; `off`: it runs, flagged in the log and in "
         "`sglang_kda_budget_infeasible_total`.",
     )
+    round_log: str = flag(
+        "",
+        text,
+        "a file path",
+        "Write every scheduler round to this JSON-lines file (TP rank 0; DP rank N appends "
+        "`.dpN`): the requests new in the queue, the budget's inputs and decision, the admitted "
+        "slices, the decode batch and the measured step time. `python -m sglang_kda.sim.replay "
+        "FILE` replays it through the simulator and reports the first round where the two "
+        "differ (docs/simulator.md). Empty = off.",
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -225,6 +225,22 @@ class Orders:
     refused: dict = field(default_factory=dict)
 
 
+def decision_dict(dec: Optional[Decision]) -> Optional[dict]:
+    """A round's decision as plain values (the round log's record of it)."""
+    if dec is None:
+        return None
+    return {
+        "mode": dec.plan.mode,
+        "rid": dec.plan.rid,
+        "run_prefill": dec.run_prefill,
+        "chunk_budget": dec.chunk_budget,
+        "keep": dec.keep,
+        "cap": dec.cap,
+        "mix_decode": dec.mix_decode,
+        "head": dec.head,
+    }
+
+
 @dataclass
 class BudgetRuntime:
     """The budget's state in one scheduler process.
@@ -244,6 +260,9 @@ class BudgetRuntime:
     share: Optional[Share] = None
     clock: StepClock = field(default_factory=StepClock)
     last_drift_log: int = -(10**9)
+    # the last planned round's inputs and decision as the round log writes them
+    # (sglang_kda.wiring.round_log); None until a round is planned
+    last_round: Optional[dict] = None
 
     @property
     def book(self):
@@ -320,16 +339,25 @@ class BudgetRuntime:
     ) -> Optional[Decision]:
         """Plan the round (:meth:`RoundPlanner.decide` with this process's cost model and its
         recent error); ``None``: nothing to prefill, upstream's round runs."""
+        error, overhead, slow = self.fit.error_ema, self.clock.gap_s, self.fit.slow_factor()
+        self.last_round = {
+            "now": now,
+            "coef": dict(self.model.coef.__dict__),
+            "error": error,
+            "overhead": overhead,
+            "slow": slow,
+        }
         dec = self.planner.decide(
             self.model,
             now,
             decode_ctx,
             queue,
             inflight=inflight,
-            error=self.fit.error_ema,
-            overhead=self.clock.gap_s,
-            slow=self.fit.slow_factor(),
+            error=error,
+            overhead=overhead,
+            slow=slow,
         )
+        self.last_round["decision"] = decision_dict(dec)
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
         return dec

@@ -1,0 +1,143 @@
+"""The round log: every scheduler round of a server, written so the simulator can replay it.
+
+One JSON object per line. The first is the header (the ``--kda-*`` flags, the scheduler's page
+size, chunk size, input budget, request cap and the model's layer counts); each further line is
+one pass of the scheduler's loop that planned or ran something:
+
+* ``t``: the scheduler's clock (``time.monotonic``) when the pass began;
+* ``arrivals``: the requests new in the waiting queue, as the scheduler saw them (rid, prompt
+  token ids, ``max_new_tokens``, arrival on the same clock);
+* ``plan``: the serial budget's inputs that are not the queue (its clock, cost-model
+  coefficients, recent error, overhead and slowness) and its decision; ``null`` without the
+  budget or when it planned nothing;
+* ``slices``: the prefill slices of the batch, in batch order: (rid, prefix, extend);
+* ``decode``: the rids decoding in it (a decode batch, or the decode part of a mixed one);
+* ``seconds``: the step's time from launch to processed result (``null``: no batch).
+
+Passes with nothing queued, nothing running and nothing planned are written once per idle
+stretch (the planner's state does not change in them). The replay is
+:mod:`sglang_kda.sim.replay`. Written by the scheduler of TP rank 0 (each DP rank to its own
+file); nothing is written when ``--kda-round-log`` is empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Optional
+
+MARK = "_kda_round_logged"
+
+
+class RoundLog:
+    """The log of one scheduler process."""
+
+    def __init__(self, path: str, header: dict) -> None:
+        self.f = open(path, "w", buffering=1)  # noqa: SIM115  (open for the process' life)
+        self.pending: Optional[dict] = None
+        self.idle_written = False
+        self.start = 0.0
+        self._write({"kind": "header", **header})
+
+    def _write(self, obj: dict) -> None:
+        self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def begin(self, sched: Any) -> dict:
+        """A pass of the loop begins: note the requests new in the queue."""
+        arrivals = []
+        for req in sched.waiting_queue:
+            if getattr(req, MARK, False):
+                continue
+            setattr(req, MARK, True)
+            created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
+            arrivals.append(
+                {
+                    "rid": req.rid,
+                    "ids": list(req.origin_input_ids),
+                    "out": int(req.sampling_params.max_new_tokens),
+                    "created": created,
+                }
+            )
+        st = getattr(sched, "_kda_budget", None)
+        if st:
+            st.last_round = None
+        return {"t": time.monotonic(), "arrivals": arrivals}
+
+    def end(self, sched: Any, entry: dict, batch: Any) -> None:
+        """The pass chose ``batch`` (``None``: nothing to run)."""
+        st = getattr(sched, "_kda_budget", None)
+        plan = st.last_round if st else None
+        entry["plan"] = plan
+        entry["slices"], entry["decode"] = batch_rounds(batch)
+        entry["seconds"] = None
+        if batch is None:
+            quiet = not entry["arrivals"] and not sched.waiting_queue and plan is not None
+            quiet = quiet and plan.get("decision") is None
+            if quiet and self.idle_written:
+                return
+            self.idle_written = quiet
+            self._write(entry)
+            return
+        self.idle_written = False
+        self.pending = entry
+
+    def launched(self) -> None:
+        self.start = time.perf_counter()
+
+    def processed(self) -> None:
+        """The pending batch's result was processed: its entry is complete."""
+        if self.pending is not None:
+            self.pending["seconds"] = time.perf_counter() - self.start
+            self._write(self.pending)
+            self.pending = None
+
+
+def batch_rounds(batch: Any) -> tuple[list, list]:
+    """(prefill slices as (rid, prefix, extend), decoding rids) of a batch about to run."""
+    if batch is None:
+        return [], []
+    if not batch.forward_mode.is_extend():
+        return [], [r.rid for r in batch.reqs]
+    dec = {id(r) for r in (batch.decoding_reqs or ())}
+    slices = [
+        [req.rid, int(batch.prefix_lens[i]), int(batch.extend_lens[i])]
+        for i, req in enumerate(batch.reqs)
+        if id(req) not in dec
+    ]
+    return slices, [r.rid for r in (batch.decoding_reqs or ())]
+
+
+def open_log(sched: Any, kcfg: Any) -> Optional[RoundLog]:
+    """The scheduler's round log (``sched._kda_round_log``), opened on first use; ``None`` where
+    it is off or this is not TP rank 0."""
+    log = sched.__dict__.get("_kda_round_log", False)
+    if log is not False:
+        return log
+    log = None
+    if kcfg.round_log and getattr(sched, "tp_rank", 0) == 0:
+        from dataclasses import asdict
+
+        from sglang_kda.wiring.budget import layer_counts
+
+        path = kcfg.round_log
+        dp = getattr(sched, "dp_rank", None)
+        if dp:
+            path = f"{path}.dp{dp}"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        mc = sched.model_config
+        kda, mla = layer_counts(getattr(getattr(mc, "hf_config", None), "linear_attn_config", None))
+        header = {
+            "flags": asdict(kcfg),
+            "page_size": sched.page_size,
+            "chunked_prefill_size": sched.chunked_prefill_size,
+            "max_prefill_tokens": sched.max_prefill_tokens,
+            "max_running_requests": sched.max_running_requests,
+            "enable_mixed_chunk": bool(sched.is_mixed_chunk)
+            and getattr(sched, "_kda_budget", None) is None,
+            "kda_layers": kda,
+            "mla_layers": mla,
+        }
+        log = RoundLog(path, header)
+    sched._kda_round_log = log
+    return log
