@@ -275,6 +275,10 @@ class Rank:
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
         self.rng = random.Random(f"{cfg.seed}:{rank_id}")
+        # set by a replay (sglang_kda.sim.replay): the planner's inputs the server measured
+        # (error, overhead, slow) and a round's measured time in place of the cost model's
+        self.plan_inputs: dict = {}
+        self.clock: Optional[Callable] = None
 
     @property
     def twin_waits(self) -> int:
@@ -359,14 +363,17 @@ class Rank:
         mode = ""
         paced = False
         if self.planner is not None:
-            queue = [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
-            queue += [(r.rid, r.prefix) for r in self.waiting]
+            # the server's view of the queue (wiring.budget.round_queue): waiting requests in
+            # queue order, then the in-flight one
+            queue = [(r.rid, r.prefix) for r in self.waiting]
+            queue += [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
             dec = self.planner.decide(
                 self.cost,
                 self.now,
                 decode_ctx,
                 queue,
                 inflight=self.chunked.rid if self.chunked else None,
+                **self.plan_inputs,
             )
             self.last_decision = dec
             if dec is not None:
@@ -429,6 +436,9 @@ class Rank:
                 break
             r = self.waiting[0]
             m = self.tree.match(r.ids, self._limit(r))
+            # the server matches every request its loop reaches (init_next_round_input), and a
+            # request turned down keeps that prefix: the budget's next plan sees it
+            r.prefix = m.length
             if st.twin_waits(r.ids, m.length, self._limit(r), leaders):
                 # The server's add_one_req returns CONTINUE: no budget spent, next request.
                 skipped.append(self.waiting.pop(0))
@@ -466,7 +476,10 @@ class Rank:
         run_decode = not slices or mix
         dec = list(self.running) if run_decode else []
         shape = BatchShape(tuple(r.ctx for r in dec), tuple(Slice(s, e - s) for _, s, e in slices))
-        dt = self.cost.predict(shape)
+        if self.clock is not None:  # a replayed round: its measured time
+            dt = self.clock(shape)
+        else:
+            dt = self.cost.predict(shape)
         if cfg.round_jitter:
             dt *= self.rng.choice(cfg.round_jitter)
         if self.wake:
@@ -477,6 +490,8 @@ class Rank:
         start, end = self.now, self.now + dt
         self.now = end
         self.n_rounds += 1
+        if self.planner is not None:  # as the server's step_ran: a shared round that overshot
+            self.planner.observed(dt, bool(slices), bool(dec))
         if self.rounds is not None:
             self.rounds.append(
                 RoundRecord(
