@@ -77,7 +77,7 @@ step "device" 15 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm
 
 step "prewarm" 80 $PY - <<'EOF'
 import time, torch
-import sglang_kda.kernels.kda_triton as kt
+import sglang_kda.kernels.kda.ops as kt
 t0 = time.time()
 H, D, T = 32, 128, 4096
 dev = "cuda"
@@ -130,7 +130,7 @@ step "grid" 20 $PY - <<'EOF'
 # 2,100 one-token sequences at H = 32: 67,200 (sequence, head) rows, past CUDA's 65,535 limit
 # on grid axis 1 before the rows were tiled (grid_rows); checked against the unbatched calls.
 import torch
-import sglang_kda.kernels.kda_triton as kt
+import sglang_kda.kernels.kda.ops as kt
 N, H, D, dev = 2100, 32, 128, "cuda"
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, N, H, D, device=dev) for _ in range(3))
@@ -150,7 +150,7 @@ step "timing" 110 $PY benchmark/kernel_kda.py --T 8192,32768,131072 --reps 3 --o
 
 step "decode graph" 30 $PY - <<'EOF'
 import torch
-import sglang_kda.kernels.kda_triton as kt
+import sglang_kda.kernels.kda.ops as kt
 H, D, N, dev = 32, 128, 64, "cuda"
 torch.manual_seed(0)
 q, k, v = (torch.randn(N, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))

@@ -9,7 +9,7 @@ Usage:
 On a CUDA GPU, for each T (one sequence, H=32, K=V=128, bf16 q/k/v, fp32 g/beta, L2 norm in
 kernel, final state out) it times:
 
-* ``ours``            sglang_kda.kernels.kda_triton.chunk_kda, no checkpoints
+* ``ours``            sglang_kda.kernels.kda.ops.chunk_kda, no checkpoints
 * ``ours+ckpt{C}``    the same with fp32 state checkpoints every C in {64, 256, 1024}
 * ``fla``             fla.ops.kda.chunk_kda (skipped with a note if fla is not installed)
 * ``sglang``          sglang.kernels.ops.attention.fla.kda.chunk_kda (state pool + indices; it
@@ -130,7 +130,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_gpu(args) -> list[dict]:
-    import sglang_kda.kernels.kda_triton as kt
+    import sglang_kda.kernels.kda.ops as kt
 
     dev = torch.cuda.get_device_name()
     baselines = load_baselines()

@@ -17,8 +17,8 @@ What it does, with no GPU:
    ``GPUTarget("cuda", 90, 32)``) and ``torch.cuda`` name/capability answers, set before fla is
    imported, so fla's import-time choices (autotune lists, Hopper paths) are the ones an H200 gets.
    ``JITFunction.run`` / ``Autotuner.run`` are replaced by recorders, and the real Python entry
-   points run on ``meta`` tensors (no memory): ours ``kda_triton.kda_extend_pool`` (fused Kimi gate,
-   L2 norm, state pool, checkpoints every C) and ``kda_triton.kda_decode_pool``; fla's
+   points run on ``meta`` tensors (no memory): ours ``kda.ops.kda_extend_pool`` (fused Kimi gate,
+   L2 norm, state pool, checkpoints every C) and ``kda.ops.kda_decode_pool``; fla's
    ``fla.ops.kda.chunk_kda`` (``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
    ``use_beta_sigmoid_in_kernel``: the same work). Every launch is recorded with its arguments.
 2. Compiles every recorded launch, every autotune configuration, with ``triton.compile(...,
@@ -182,7 +182,7 @@ def record_ours(T: int, H: int, K: int, V: int, C: Optional[int], decode_n: int)
     import torch
 
     sys.path.insert(0, str(ROOT))
-    import kernels.kda_triton as kt  # the source tree (same module as sglang_kda.kernels)
+    import kernels.kda.ops as kt  # the source tree (same module as sglang_kda.kernels.kda.ops)
 
     _SIDE[0] = "ours"
     bf, f32 = torch.bfloat16, torch.float32

@@ -13,6 +13,20 @@ Example (the embedded tiny model on CPU)::
     .venv/bin/python benchmark/serving_side_by_side.py --num-prompts 16 \
         --random-input-len 512 --random-output-len 32 --max-concurrency 4 \
         -- --chunked-prefill-size 128
+
+SGLang's generated shared prefix dataset (issue 30: 4 groups x 8 prompts, system prompt
+750-1,500 tokens, question 100-200, output 12-24, two alternating runs per policy)::
+
+    .venv/bin/python benchmark/serving_side_by_side.py --dataset-name generated-shared-prefix \
+        --gsp-num-groups 4 --gsp-prompts-per-group 8 --gsp-system-prompt-len 1500 \
+        --gsp-question-len 200 --gsp-output-len 24 --gsp-range-ratio 0.5 \
+        --max-concurrency 4 --repeat 2 --out benchmark/results/serving/gsp.csv \
+        -- --chunked-prefill-size 512
+
+With ``--repeat N`` the policies take turns N times (stock, kda, stock, kda, ...): on a shared
+machine whose speed drifts, runs of one policy after the other are not comparable. After each
+kda run the server's ``/server_info`` sglang_kda report is saved next to the CSV
+(``<out>.<label>.server_info.json``).
 """
 
 from __future__ import annotations
@@ -40,17 +54,24 @@ METRICS = (
 )
 
 
+GSP = ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len")
+
+
 def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:
     cmd = [
         sys.executable, "-m", "sglang_kda.bench_serving", "--backend", "sglang",
         "--port", str(port), "--model", model, "--tokenizer", model,
-        "--dataset-name", "random-ids", "--num-prompts", str(args.num_prompts),
+        "--dataset-name", args.dataset_name, "--num-prompts", str(args.num_prompts),
         "--random-input-len", str(args.random_input_len),
         "--random-output-len", str(args.random_output_len),
         "--random-range-ratio", str(args.random_range_ratio),
         "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
         "--output-file", str(out),
     ]  # fmt: skip
+    if args.dataset_name == "generated-shared-prefix":
+        for name in GSP:
+            cmd += [f"--gsp-{name.replace('_', '-')}", str(getattr(args, f"gsp_{name}"))]
+        cmd += ["--gsp-range-ratio", str(args.gsp_range_ratio)]
     subprocess.run(cmd, check=True)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return lines[-1]
@@ -66,6 +87,20 @@ def main() -> int:
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--dataset-name", default="random-ids", choices=("random-ids", "generated-shared-prefix")
+    )
+    for name, default in zip(GSP, (4, 8, 1500, 200, 24), strict=True):
+        parser.add_argument(f"--gsp-{name.replace('_', '-')}", type=int, default=default)
+    parser.add_argument(
+        "--gsp-range-ratio", type=float, default=1.0,
+        help="lengths drawn from [ratio x len, len] (SGLang's --gsp-range-ratio)",
+    )  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=1, help="alternate the policies N times")
+    parser.add_argument(
+        "--round-log", action="store_true",
+        help="kda servers write --kda-round-log <out>.<label>.rounds.jsonl",
+    )  # fmt: skip
+    parser.add_argument(
         "--policies", default="stock,kda", help="comma-separated, run in this order"
     )
     parser.add_argument("--out", default=str(REPO / "benchmark/results/serving_side_by_side.csv"))
@@ -77,13 +112,20 @@ def main() -> int:
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-bench-"))
     results: dict[str, dict] = {}
-    policies = args.policies.split(",")
+    policies = args.policies.split(",") * max(1, args.repeat)
     for i, policy in enumerate(policies):
         # The same policy twice (e.g. "stock,stock") measures the run-to-run noise floor.
         label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
         log = tmp / f"{label}.log"
-        with launch(model, policy=policy, extra=args.server_args, log=log, name=label) as server:
+        extra = list(args.server_args)
+        if args.round_log and policy != "stock":
+            rounds = out_csv.with_name(f"{out_csv.stem}.{label}.rounds.jsonl")
+            extra += ["--kda-round-log", str(rounds)]
+        with launch(model, policy=policy, extra=extra, log=log, name=label) as server:
             results[label] = run_bench(server.port, model, args, tmp / f"{label}.jsonl")
+            if policy != "stock":
+                info = out_csv.with_name(f"{out_csv.stem}.{label}.server_info.json")
+                info.write_text(json.dumps(server.kda_report(), indent=1, default=str))
 
     rows = [{"policy": p, **{m: r.get(m) for m in METRICS}} for p, r in results.items()]
     write_csv(out_csv, rows, ["policy", *METRICS])
@@ -93,7 +135,7 @@ def main() -> int:
     print("|---|" + "---|" * (len(names) + 1))
     for m in METRICS:
         vals = [results[n].get(m) for n in names]
-        ratio = vals[-1] / vals[0] if len(vals) == 2 and vals[0] else float("nan")
+        ratio = vals[-1] / vals[0] if len(vals) == 2 and vals[0] else float("nan")  # 2 runs only
         print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {ratio:.3f} |")
     return 0
 

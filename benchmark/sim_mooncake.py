@@ -15,7 +15,8 @@ defaults:
 Prints per policy: prefill tokens computed / prompt tokens, that over the ideal
 (``mooncake.ideal_prefill``: every repeated block prefix cached forever), TTFT p50 / p99, the
 share of requests with TTFT over 1 s and 10 s, decode ITL p99, checkpoints held / evicted and
-the run's wall time; a progress line every ``--progress`` simulated seconds. Writes
+the run's wall and CPU time (the CPU time counts this process alone on a shared machine); a
+progress line every ``--progress`` simulated seconds. Writes
 ``benchmark/results/sim_mooncake/<tag>.csv`` and ``<tag>_ttft_cdf.png``.
 
     .venv/bin/python benchmark/sim_mooncake.py --end 1800
@@ -107,12 +108,12 @@ def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) 
         return step(rank)
 
     engine.Rank.step = traced
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     try:
         res = simulate(trace, cfg, cost, dp=args.dp, router=args.router)
     finally:
         engine.Rank.step = step
-    wall = time.monotonic() - t0
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
     s = summarize(res)
     ttfts = [r.ttft for r in res.requests if r.token_times]
     itls = [x for r in res.requests for x in r.itls]
@@ -145,6 +146,7 @@ def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) 
         "rounds": s["rounds"],
         "sim_end_s": res.end_time,
         "wall_s": wall,
+        "cpu_s": cpu,
     }
     print(
         f"[{policy}] prefill {row['prefill_over_prompt']:.3f} of prompt, "
@@ -152,7 +154,7 @@ def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) 
         f"{row['ttft_p99_s']:.2f} s, >1 s {row['ttft_over_1s']:.1%}, >10 s "
         f"{row['ttft_over_10s']:.1%}; ITL p99 {row['itl_p99_ms']:.1f} ms; states held "
         f"{row['checkpoints_held']}, evicted {row['checkpoints_evicted']}; "
-        f"{row['finished']}/{row['requests']} finished; wall {wall:.1f} s",
+        f"{row['finished']}/{row['requests']} finished; wall {wall:.1f} s (cpu {cpu:.1f} s)",
         flush=True,
     )
     return row, sorted(ttfts)

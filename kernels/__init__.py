@@ -1,8 +1,9 @@
 """KDA kernels of sglang_kda: plain-PyTorch CPU paths, their token-by-token references, and the
-Triton kernel (``sglang_kda.kernels.kda_triton``, imported on demand: Triton fixes interpreter vs
-compiled mode when a kernel module is first imported, so importing it here would decide too early).
+Triton kernels (the ``sglang_kda.kernels.kda`` package, one module per stage, entry points in
+``sglang_kda.kernels.kda.ops``; imported on demand: Triton fixes interpreter vs compiled mode
+when a kernel module is first imported, so importing it here would decide too early).
 
-``kda_torch`` and ``kda_triton`` expose the same serving entry points (``kda_extend_pool``,
+``kda_torch`` and ``kda.ops`` expose the same serving entry points (``kda_extend_pool``,
 ``kda_decode_pool``) over SGLang's state pool, so one adapter serves either.
 """
 

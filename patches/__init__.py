@@ -47,6 +47,12 @@ PATCH_MODULES = (
     "disaggregation_mooncake",
     "disaggregation_prefill",
     "round_log",
+    "disaggregation_decode",
+    "pool_host_common",
+    "pool_host_mla",
+    "pool_host_mamba",
+    "unified_radix_cache",
+    "hybrid_pool_assembler",
 )
 
 _applied: list[str] = []

@@ -8,7 +8,7 @@ Why: upstream's KDA kernels are Triton-only (CPU: "not supported", the imports a
     its chunk kernel drops the per-chunk states, so no cache can take checkpoints from it. The
     CPU conv op of sgl_kernel is bf16/fp16-only and no CPU sgl_kernel exists on the registries.
 How: ``TritonKDAKernel`` becomes the adapter of :func:`sglang_kda.kda_adapter.make_kernel_class`
-    over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda_triton`` (CUDA,
+    over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda.ops`` (CUDA,
     ``--kda-kernel triton``, the CUDA default under ``--kda-policy kda``; on CUDA the adapter
     subclasses upstream's ``TritonKDAKernel`` and overrides ``extend`` only, so decode runs
     upstream's fused packed decode). On CPU the two conv

@@ -144,18 +144,32 @@ def _dp_attention(server_args: Any, policy_kda: bool) -> list[Refusal]:
 
 
 def _hicache(server_args: Any, policy_kda: bool) -> list[Refusal]:
+    """The hierarchical cache runs under the kda policy (tests/server/test_hicache.py, CPU):
+    grid checkpoints are written through to SGLang's host state pool, a state the device tier
+    sheds stays there and is loaded back on a hit (sglang_kda/cache/host_tier.py). Refused: the
+    variants that have never run beside the checkpoint cache."""
     if not policy_kda or not getattr(server_args, "enable_hierarchical_cache", False):
         return []
-    return [
-        Refusal(
-            "--enable-hierarchical-cache",
-            "HiCache keeps KDA states on a host tier too (backed up from the device, loaded "
-            "back on a match), while the kda policy's checkpoint book, --kda-checkpoint-pool-size "
-            "and --kda-eviction count and evict device states only, through SGLang's eviction "
-            "walk, which with --hicache-write-policy write_back defers a state until its host "
-            f"backup; {USE_STOCK}",
+    out = []
+    if str(getattr(server_args, "hicache_write_policy", "") or "") == "write_back":
+        out.append(
+            Refusal(
+                "--hicache-write-policy write_back",
+                "write_back defers a state's device eviction until its host backup, a pause in "
+                "SGLang's eviction walk that the kda policy's per-state eviction "
+                "(--kda-eviction) has never run beside; use write_through (the default) or "
+                + USE_STOCK,
+            )
         )
-    ]
+    if getattr(server_args, "hicache_storage_backend", None):
+        out.append(
+            Refusal(
+                "--hicache-storage-backend",
+                "a storage (L3) tier for KDA checkpoints has never run under the kda policy; "
+                + USE_STOCK,
+            )
+        )
+    return out
 
 
 def _capture_keyed_by_forward(server_args: Any, policy_kda: bool, kernel: str) -> list[Refusal]:
@@ -246,7 +260,9 @@ SUPPORT_TABLE: tuple[tuple[str, str], ...] = (
      "server's radix cache (--disaggregation-decode-enable-radix-cache) refused under kda"),
     ("prefill CUDA graphs (--cuda-graph-backend-prefill, ...)", "refused"),
     ("--enable-dp-attention / --attn-dp-size > 1", "refused under the kda policy"),
-    ("--enable-hierarchical-cache", "refused under the kda policy"),
+    ("--enable-hierarchical-cache",
+     "supported (CPU: tests/server/test_hicache.py): checkpoints get a host tier; write_back and "
+     "a storage backend refused under kda"),
     ("--enable-int8-mamba-checkpoint", "supported: grid checkpoints quantised into its pool"),
     ("--mamba-radix-cache-strategy extra_buffer_lazy", "refused under the kda policy"),
     ("--linear-attn-prefill-backend (or --linear-attn-backend) other than triton",

@@ -200,7 +200,7 @@ class KDAConfig:
         "auto",
         KERNELS,
         "KDA kernel path. `torch`: the chunked PyTorch path (kernels/kda_torch.py; CPU, any "
-        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda_triton.py; GPU, "
+        "device); `triton`: sglang_kda's checkpointing Triton kernel (kernels/kda/; GPU, "
         "or CPU under `TRITON_INTERPRET=1`); both write SGLang's `extra_buffer` track snapshot, "
         "so the overlap scheduler and any page size run; `upstream`: SGLang's own KDA kernel "
         "(no grid checkpoints); `auto`: torch on CPU; on CUDA `triton` under `--kda-policy kda`, "
@@ -232,14 +232,26 @@ class KDAConfig:
         "`--kda-eviction`. `0` = bounded only by SGLang's state pool (`--max-mamba-cache-size`), "
         "which live requests share.",
     )
+    host_state_pool: int = flag(
+        0,
+        non_negative_int("states; 0 = SGLang's --hicache-ratio x the device state pool"),
+        "`0` or a number of states",
+        "With `--enable-hierarchical-cache`: the KDA states (checkpoints) the host tier holds; "
+        "SGLang's HiCache writes every tree state through to it, and a state the device pool "
+        "sheds stays there and comes back on a hit. `0` = SGLang's sizing, `--hicache-ratio` "
+        "(default 2) x the device state pool. A host pool smaller than one longest prompt's "
+        "checkpoints is warned about at start with the numbers (sglang_kda/cache/host_tier.py).",
+    )
     eviction: str = flag(
         "marconi",
         eviction_rule,
         "`marconi`, `lru`, or a number alpha >= 0",
         "Which tree-held KDA states go first when the tree sheds states (past the cap above, or "
         "for a new checkpoint's slot): `marconi` = lowest normalized recency + alpha x normalized "
-        "serial KDA steps saved per byte, alpha 1 (sglang_kda/cache/eviction.py: a checkpoint far "
-        "from its nearest cached ancestor is kept longer); a number = that rule with this alpha; "
+        "serial KDA steps saved per byte, alpha 1, + 0.5 for a branch end and 0.5 for the state "
+        "above one (sglang_kda/cache/eviction.py: a checkpoint far from its nearest cached "
+        "ancestor, or where a finished prompt's chain ends, is kept longer); a number = that rule "
+        "with this alpha; "
         "`lru` = SGLang's least recently used.",
     )
     twins: str = choice_flag(

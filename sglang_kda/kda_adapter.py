@@ -3,7 +3,7 @@
 
 SGLang's ``KDAAttnBackend`` calls a kernel object (``LinearAttnKernelBase``: ``extend`` /
 ``decode`` over its state pool ``[slots, H, V, K]``). :func:`make_kernel_class` builds that
-object over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda_triton`` (CUDA);
+object over ``sglang_kda.kernels.kda_torch`` (CPU) or ``sglang_kda.kernels.kda.ops`` (CUDA);
 both expose ``kda_extend_pool`` / ``kda_decode_pool``.
 
 Inside an extend forward two consumers want recurrent states from inside the slices: the
@@ -209,7 +209,7 @@ def _ops(kernel: str):
     if kernel == "torch":
         from sglang_kda.kernels import kda_torch as ops
     else:
-        from sglang_kda.kernels import kda_triton as ops
+        from sglang_kda.kernels.kda import ops
     return ops
 
 

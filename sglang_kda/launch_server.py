@@ -100,6 +100,8 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
       float32 checkpoints to float16, which is slow on CPUs and lossy).
     * ``--mem-fraction-static 0.1`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
       the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots).
+    * ``--hicache-io-backend direct`` with ``--enable-hierarchical-cache``: the host tier's copies
+      are plain PyTorch on CPU (``patches/pool_host_*.py``); the ``kernel`` backend needs CUDA.
     * ``--max-total-tokens 524288``: KV pool cap (8 x 64k tokens; 168 MB for the tiny model
       instead of ~1.6 GB zero-filled at start); the fraction above still bounds bigger models.
       A prompt the pool cannot hold is refused by SGLang with a clear error.
@@ -119,6 +121,8 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     else:  # a page size above 1 picks the strategy that supports it
         default("--mamba-radix-cache-strategy", "extra_buffer")
     default("--sleep-on-idle")
+    if _has_flag(argv, "--enable-hierarchical-cache"):  # CPU copies: sglang_kda.cpu.kvcacheio
+        default("--hicache-io-backend", "direct")
     default("--mem-fraction-static", "0.1")
     default("--max-mamba-cache-size", "256")
     default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))

@@ -713,3 +713,150 @@ def test_progress_floor_is_on_the_grid_and_within_the_chunk(done, total_extra, f
     assert 0 < n <= cap
     end = done + n
     assert end % cfg.grid == 0 or n == cap  # the whole chunk is cut on the grid by the adder
+
+
+class _NoSliceShortcut:
+    """A cost model without ``predict_slice`` (the budget builds the shapes itself)."""
+
+    def __init__(self, model):
+        self.m = model
+        self.coef = model.coef
+
+    def predict(self, shape):
+        return self.m.predict(shape)
+
+    def decode_cost(self, decode_ctx):
+        return self.m.decode_cost(decode_ctx)
+
+    def slice_round(self, decode_ctx=()):
+        return self.m.slice_round(decode_ctx)
+
+    def prefill_work(self, start, end):
+        return self.m.prefill_work(start, end)
+
+    def alone_time(self, start, end, max_slice):
+        return self.m.alone_time(start, end, max_slice)
+
+
+def test_plans_do_not_depend_on_the_decode_containers_type_or_the_models_shortcut():
+    """The budget turns the decode contexts into one tuple per round (the H200 model memoises
+    per tuple) and prices slices through ``predict_slice`` where the model has it: the plans are
+    the same, field for field, as with a list and a model without the shortcut."""
+    import random
+
+    from sglang_kda.sim.costs import KimiLinearH200
+
+    rng = random.Random(3)
+    h200 = KimiLinearH200(8)
+    cfgs = [
+        BudgetConfig(grid=64, max_slice=8192),
+        BudgetConfig(grid=64, max_slice=8192, pace_every=20, max_round_s=0.05),
+    ]
+    for _ in range(400):
+        cfg = rng.choice(cfgs)
+        decode = [rng.randrange(100, 200_000) for _ in range(rng.choice((0, 1, 5, 80, 400)))]
+        now = rng.uniform(0, 30)
+        prefills = []
+        for i in range(rng.choice((1, 2, 4))):
+            total = rng.randrange(10, 120_000)
+            p = Prefill(f"r{i}", rng.uniform(0, 60), rng.randrange(0, total), total,
+                        arrival=rng.uniform(-5, now))  # fmt: skip
+            p.alone_s = rng.choice((None, h200.alone_time(0, total, cfg.max_slice)))
+            prefills.append(p)
+        kw = dict(
+            inflight=rng.choice((None, "r0")),
+            since_slice=rng.choice((None, 0, 5, 19)),
+            slice_overshoots=rng.random() < 0.2,
+            since_decode=rng.choice((None, 0, 3)),
+        )
+        want = plan_round(_NoSliceShortcut(h200), cfg, now, list(decode), prefills, **kw)
+        assert plan_round(h200, cfg, now, tuple(decode), prefills, **kw) == want
+        assert plan_round(h200, cfg, now, decode, prefills, **kw) == want
+
+
+# The tiny model on the CPU engine as the server fitted it (issue 30's shared-prefix run): a
+# decode stream costs ~9.4 ms per round, a round with a prefill slice ~21 ms more than without.
+CPU_TINY = CostModel(
+    Coefficients(
+        overhead=0.0042,
+        per_token=1.21e-4,
+        per_attn_unit=1.55e-8,
+        per_decode_ctx=1.55e-8,
+        per_prefill_round=0.021,
+        per_decode_seq=0.0094,
+    ),
+    kda_layers=3,
+    mla_layers=1,
+)
+CPU_CFG = BudgetConfig(grid=64, max_slice=512, overhead_s=0.004)
+
+
+def test_a_cut_that_would_leave_less_than_a_grid_step_takes_the_whole_prompt():
+    """A prompt is not left with a few tokens for another round (a round's fixed cost and a
+    whole round of delay for its first token, issue 30: 256 + 6 tokens, 256 + 1)."""
+    from sglang_kda.policy.budget import whole_within_step
+
+    p = Prefill("a", 100.0, 1024, 1286)  # a cut at 256 ends on the grid at 1280: 6 left
+    assert whole_within_step(p, 256, 64) == 262
+    assert whole_within_step(p, 192, 64) == 192  # 70 left: more than a grid step
+    assert whole_within_step(Prefill("b", 100.0, 1000, 1100), 64, 64) == 64  # ends at 1088
+    assert whole_within_step(Prefill("c", 100.0, 1000, 1080), 80, 64) == 80  # all of it
+
+
+def test_a_prompt_that_finishes_this_round_goes_first_where_decode_costs_per_stream():
+    """On the CPU engine the decode tokens of three streams add ~30 ms to a round; a prompt
+    that finishes in one round runs without them (``finish``), decode runs the round after.
+    Not when decode waited the round before, nor with another prompt queued behind it."""
+    from sglang_kda.policy.budget import finish_first
+
+    decode = (1300, 1250, 1400)
+    p = Prefill("a", 100.0, 1024, 1254, arrival=0.0)
+    p.alone_s = CPU_TINY.alone_time(p.done, p.total, 512)
+    plan = plan_round(CPU_TINY, CPU_CFG, 1.0, decode, [p], since_decode=0)
+    assert (plan.mode, plan.tokens, plan.mix_decode) == ("finish", 230, False)
+    # the prompt gains more than decode loses
+    mixed = CPU_TINY.predict(BatchShape(decode, (Slice(1024, 230),)))
+    alone = CPU_TINY.predict(BatchShape((), (Slice(1024, 230),)))
+    split = alone + CPU_CFG.overhead_s + CPU_TINY.predict(BatchShape(decode))
+    assert mixed - alone > split - mixed > 0
+    assert plan_round(CPU_TINY, CPU_CFG, 1.0, decode, [p], since_decode=1).mode == "share"
+    q = Prefill("b", 100.0, 0, 1500, arrival=0.0)
+    assert plan_round(CPU_TINY, CPU_CFG, 1.0, decode, [p, q], since_decode=0).mode == "share"
+    assert plan_round(CPU_TINY, CPU_CFG, 1.0, decode, [p]).mode == "share"  # no count: as before
+    # a prompt the round does not finish shares it with decode
+    long = Prefill("c", 100.0, 0, 1500, arrival=0.0)
+    assert not finish_first(CPU_TINY, decode, long, 320, CPU_CFG)
+    assert plan_round(CPU_TINY, CPU_CFG, 1.0, decode, [long], since_decode=0).mix_decode
+
+
+def test_where_decode_rides_along_nearly_free_it_stays_in_the_finishing_round():
+    """GPU models (H200, TP8): a decode token costs a round little, a round of its own a whole
+    decode step: the finishing round keeps decode."""
+    from sglang_kda.policy.budget import finish_first
+    from sglang_kda.sim.costs import KimiLinearH200
+
+    h200 = KimiLinearH200(8)
+    cfg = BudgetConfig(grid=64, max_slice=8192)
+    for decode in ((20_000,) * 32, (5_000,), (100_000,) * 4):
+        for done, total in ((10_000, 10_300), (0, 2_000), (0, 64)):
+            p = Prefill("a", 100.0, done, total)
+            assert not finish_first(h200, decode, p, total - done, cfg)
+
+
+def test_decode_never_waits_two_finishing_rounds_in_a_row():
+    """The planner counts a ``finish`` round as one where decode waited: the next prompt that
+    could finish at once shares its round with decode."""
+    from sglang_kda.policy.round import RoundPlanner
+
+    planner = RoundPlanner(CPU_CFG)
+    decode = (1300, 1250, 1400)
+    planner.book.admit(CPU_TINY, "a", 0.0, 1254, done=1024)
+    d1 = planner.decide(CPU_TINY, 0.0, decode, [("a", 1024)], None)
+    assert d1.plan.mode == "finish" and not d1.mix_decode
+    planner.book.admit(CPU_TINY, "b", 0.05, 1200, done=1024)
+    d2 = planner.decide(CPU_TINY, 0.05, decode, [("b", 1024)], None)
+    assert d2.plan.mode == "share" and d2.mix_decode
+    planner.decide(CPU_TINY, 0.1, decode, [], None)  # a decode round with nothing queued
+    planner.book.admit(CPU_TINY, "c", 0.15, 1200, done=1024)
+    d3 = planner.decide(CPU_TINY, 0.15, decode, [("c", 1024)], None)
+    assert d3.plan.mode == "finish"

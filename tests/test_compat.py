@@ -43,7 +43,16 @@ REFUSED_UNDER_KDA = {
         "--enable-dp-attention",
         "MLP sync",
     ),
-    "hicache": (["--enable-hierarchical-cache"], "--enable-hierarchical-cache", "host tier"),
+    "hicache-write-back": (
+        ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
+        "--hicache-write-policy write_back",
+        "write_through",
+    ),
+    "hicache-storage": (
+        ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+        "--hicache-storage-backend",
+        "L3",
+    ),
 }
 
 
@@ -91,6 +100,13 @@ def test_our_kernel_refuses_what_it_cannot_run_under_any_policy(parse):
     assert refusals(parse(["--enable-hierarchical-cache"]), config) == []
 
 
+def test_hierarchical_cache_runs_under_the_kda_policy(parse):
+    """The host tier for checkpoints (tests/server/test_hicache.py): write_through, no L3."""
+    assert refusals(parse(["--enable-hierarchical-cache"]), KDA) == []
+    argv = ["--enable-hierarchical-cache", "--hicache-write-policy", "write_through_selective"]
+    assert refusals(parse(argv), KDA) == []
+
+
 def test_prefill_graph_follows_sglangs_precedence(parse):
     assert prefill_graph_backend(parse([])) is None  # SGLang keeps it off for Kimi-Linear
     assert prefill_graph_backend(parse(["--cuda-graph-bs-prefill", "4", "8"])) is None
@@ -114,7 +130,7 @@ def test_every_refusal_is_listed(parse):
         *("--speculative-algorithm", "NGRAM", "--disaggregation-mode", "decode"),
         "--disaggregation-decode-enable-radix-cache",
         *("--cuda-graph-backend-prefill", "breakable", "--tp", "2", "--attn-dp-size", "2"),
-        "--enable-hierarchical-cache",
+        *("--enable-hierarchical-cache", "--hicache-write-policy", "write_back"),
     ]
     found = refusals(parse(argv), KDA)
     assert len(found) == 5 and all(isinstance(r, Refusal) for r in found)
@@ -125,12 +141,13 @@ def test_launcher_refuses_before_starting(tiny_model_dir):
         [
             *(sys.executable, "-m", "sglang_kda.launch_server"),
             *("--model-path", str(tiny_model_dir), "--enable-hierarchical-cache"),
+            *("--hicache-write-policy", "write_back"),
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "error: --enable-hierarchical-cache is not supported by sglang_kda" in proc.stderr
+    assert "error: --hicache-write-policy write_back is not supported by sglang_kda" in proc.stderr
     assert "--kda-policy stock" in proc.stderr
     assert "Rank 0 scheduler" not in proc.stderr and "Started server" not in proc.stderr

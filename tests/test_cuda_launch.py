@@ -59,7 +59,10 @@ REFUSED = {
     "dcp": (["--dcp-size", "2"], "--dcp-size"),
     "spec": (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
     "prefill_graph": (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
-    "hicache": (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    "hicache_write_back": (
+        ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
+        "--hicache-write-policy write_back",
+    ),
     "dp_attention": (["--enable-dp-attention", "--dp-size", "2"], "--enable-dp-attention"),
     "spacing": (
         ["--page-size", "128", "--kda-checkpoint-every", "192"],

@@ -14,7 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_kda.cache import eviction
 from sglang_kda.cache.eviction import (
+    Bonus,
     Candidate,
     StateBook,
     parse_eviction,
@@ -27,6 +29,8 @@ from sglang_kda.launch_server import split_kda_args
 
 LAYERS = 3
 NBYTES = 1000
+PLAIN = Bonus()  # the score alone
+STRICT = Bonus(end=1000.0)  # branch ends after every other state (the score's range is 1 + alpha)
 
 
 def cand(nid, depth, anc=0, t=0, anc_id=None, nbytes=NBYTES, layers=LAYERS):
@@ -117,7 +121,7 @@ def test_alpha_zero_is_least_recently_used(times, n):
 
 def test_equal_recency_evicts_the_least_work_first():
     cs = [cand(0, 640, 576, t=5), cand(1, 1024, 0, t=5), cand(2, 300, 256, t=5)]
-    assert pick_victims(cs, 2, 1.0) == [2, 0]
+    assert pick_victims(cs, 2, 1.0, bonus=PLAIN) == [2, 0]
 
 
 def test_a_deep_lone_checkpoint_outlives_newer_cheap_ones():
@@ -127,8 +131,8 @@ def test_a_deep_lone_checkpoint_outlives_newer_cheap_ones():
     cs = [cand(0, 1024, 0, t=0)] + [
         cand(k, 2048 + 64 * k, 2048 + 64 * (k - 1), t=k) for k in (1, 2, 3, 4)
     ]
-    assert pick_victims(cs, 1, 0.0) == [0]
-    assert 0 not in pick_victims(cs, 3, 1.0)
+    assert pick_victims(cs, 1, 0.0, bonus=PLAIN) == [0]
+    assert 0 not in pick_victims(cs, 3, 1.0, bonus=PLAIN)
 
 
 def test_a_chain_thins_out_evenly_instead_of_losing_its_shallow_half():
@@ -143,39 +147,66 @@ def test_a_chain_thins_out_evenly_instead_of_losing_its_shallow_half():
         kept = [0] + [c.depth for c in cs if c.node_id not in victims]
         return max(b - a for a, b in zip(kept, kept[1:], strict=False))
 
-    lru = set(pick_victims(cs, 8, 0.0))
+    lru = set(pick_victims(cs, 8, 0.0, bonus=PLAIN))
     assert lru == set(range(8)) and worst_gap(lru) == 9 * 64
-    marconi = set(pick_victims(cs, 8, 1.0))
+    marconi = set(pick_victims(cs, 8, 1.0, bonus=PLAIN))
     assert worst_gap(marconi) <= 4 * 64, sorted(marconi)
-    assert set(pick_victims(cs, 8, 2.0)) == set(range(0, 16, 2))
+    assert set(pick_victims(cs, 8, 2.0, bonus=PLAIN)) == set(range(0, 16, 2))
+    # the default bonus keeps the chain's end and the state above it; the rest still thins
+    dflt = set(pick_victims(cs, 8, 1.0))
+    assert not dflt & {14, 15} and worst_gap(dflt) <= 4 * 64, sorted(dflt)
 
 
 def test_victims_pass_their_ancestor_to_descendants():
     cs = chain([64, 128, 192])
     # After 0 goes, 1 saves two steps; 2 still one; alpha large: value decides.
-    assert pick_victims(cs, 2, 100.0, tails=False) == [0, 2]
+    assert pick_victims(cs, 2, 100.0, bonus=PLAIN) == [0, 2]
     # Branch ends last: 2 ends the chain, so 1 goes before it whatever it saves.
-    assert pick_victims(cs, 2, 100.0, tails=True) == [0, 1]
+    assert pick_victims(cs, 2, 100.0, bonus=STRICT) == [0, 1]
 
 
 def test_branch_ends_go_last():
-    """(The opt-in tier, ``eviction.TAILS``.) Two finished prompts' chains (0-1-2 and 3-4),
-    old, and a newer lone state 5: every interior state goes before any branch end, however old the
-    ends and however little they save; once only ends are left, the score orders them. A state whose
-    only heir is outside the candidates (locked by a live request) is interior: ``heirs`` counts
-    every state."""
+    """(A strict tier: a branch-end bonus above the score's range.) Two finished prompts'
+    chains (0-1-2 and 3-4), old, and a newer lone state 5: every interior state goes before any
+    branch end, however old the ends and however little they save; once only ends are left, the
+    score orders them. A state whose only heir is outside the candidates (locked by a live
+    request) is interior: ``heirs`` counts every state."""
     cs = chain([704, 1408, 2112]) + [
         cand(3, 704, t=0), cand(4, 768, 704, t=1, anc_id=3), cand(5, 64, t=9)
     ]
     # interior 0, 3, 1 first (score order), then the ends 4, 2, 5 (score order)
-    assert pick_victims(cs, 6, 1.0, tails=True) == [0, 3, 1, 4, 2, 5]
+    assert pick_victims(cs, 6, 1.0, bonus=STRICT) == [0, 3, 1, 4, 2, 5]
     # without the tier the cheap end 4 (one grid step) went first and 2 before 1
-    assert pick_victims(cs, 6, 1.0, tails=False) == [4, 0, 3, 2, 1, 5]
+    assert pick_victims(cs, 6, 1.0, bonus=PLAIN) == [4, 0, 3, 2, 1, 5]
     ends = [cand(0, 64, t=0), cand(1, 2048, t=0)]
     # two ends: the score (1 saves 32x the work)
-    assert pick_victims(ends, 1, 1.0, tails=True) == [0]
+    assert pick_victims(ends, 1, 1.0, bonus=STRICT) == [0]
     locked_heir = [ends[0], Candidate(1, 2048, 0, 0, NBYTES, LAYERS, None, heirs=1)]
-    assert pick_victims(locked_heir, 1, 1.0, tails=True) == [1]  # interior now: before the end 0
+    assert pick_victims(locked_heir, 1, 1.0, bonus=STRICT) == [1]  # interior: before the end 0
+
+
+def test_default_bonus_is_soft():
+    """The default (``eviction.BONUS``: 0.5 for a branch end, 0.5 for the state above one):
+    states at a finished chain's end (what a conversation's next turn resumes from) gain on
+    newer interior states, but a dead end much older than the rest ages out before a fresh
+    interior state, where a strict tier would keep it."""
+    assert eviction.BONUS == Bonus(end=0.5, above_end=0.5, fork=0.0)
+    # a finished chain 0-1-2 (t 40..42) and a newer one 3-4-5-6 (t 50..53): 1, above the older
+    # chain's end, outlives the newer chain's interior state 3 (the score alone: the reverse)
+    cs = [cand(0, 704, t=40), cand(1, 1408, 704, t=41, anc_id=0),
+          cand(2, 2112, 1408, t=42, anc_id=1)] + [
+        cand(3, 704, t=50), cand(4, 1408, 704, t=51, anc_id=3),
+        cand(5, 2112, 1408, t=52, anc_id=4), cand(6, 2816, 2112, t=53, anc_id=5),
+    ]  # fmt: skip
+    assert pick_victims(cs, 4, 1.0) == [0, 2, 3, 1]
+    assert pick_victims(cs, 4, 1.0, bonus=PLAIN) == [0, 2, 1, 3]
+    # a lone dead end from long ago (t 0) against a chain touched at t 90..100: it goes first;
+    # a strict tier evicts the chain's interior states before it
+    old_end = [cand(0, 768, 704, t=0, anc_id=None)]
+    fresh = [cand(1, 704, t=90), cand(2, 1408, 704, t=95, anc_id=1),
+             cand(3, 2112, 1408, t=100, anc_id=2)]  # fmt: skip
+    assert pick_victims(old_end + fresh, 1, 1.0) == [0]
+    assert pick_victims(old_end + fresh, 1, 1.0, bonus=STRICT) == [1]
 
 
 def test_state_book():
@@ -542,9 +573,10 @@ def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_
     cache.sanity_check()
 
 
-def _pick_victims_plain(cands, n, alpha, grid=64, tails=True):
-    """The rule as first written (plain Python, one rescoring per pick): the reference the
-    array version must match pick for pick (``tails``: branch ends after interior states)."""
+def _pick_victims_plain(cands, n, alpha, grid=64, bonus=PLAIN):
+    """The rule as first written (plain Python, one rescoring per pick), with the bonus counted
+    afresh among the candidates left at every pick: the reference the array version (which
+    updates heirs and branch-end heirs per victim) must match pick for pick."""
     from dataclasses import replace
 
     from sglang_kda.cache.eviction import scores
@@ -554,17 +586,20 @@ def _pick_victims_plain(cands, n, alpha, grid=64, tails=True):
     while pool and len(out) < n:
         cs = list(pool.values())
         sc = scores(cs, alpha, grid)
-        # branch ends (no candidate below has it as nearest ancestor) after interior states
-        parents = {c.ancestor_id for c in cs}
-        k = min(
-            range(len(cs)),
-            key=lambda i: (
-                tails and cs[i].node_id not in parents,
-                sc[i],
-                cs[i].last_access,
-                cs[i].depth,
-            ),
-        )
+        heirs: dict = {}
+        for c in cs:
+            heirs[c.ancestor_id] = heirs.get(c.ancestor_id, 0) + 1
+        ends: dict = {}
+        for c in cs:
+            if c.node_id not in heirs:
+                ends[c.ancestor_id] = ends.get(c.ancestor_id, 0) + 1
+
+        keys = []
+        for i, c in enumerate(cs):
+            nid = c.node_id
+            b = bonus.of(nid not in heirs, ends.get(nid, 0) > 0, heirs.get(nid, 0) >= 2)
+            keys.append((sc[i] + b, c.last_access, c.depth))
+        k = min(range(len(cs)), key=keys.__getitem__)
         v = cs[k]
         out.append(v.node_id)
         del pool[v.node_id]
@@ -603,6 +638,6 @@ def test_pick_victims_matches_the_plain_rule(rows, n, alpha):
                 ancestor_id=parent.node_id if parent else None,
             )
         )
-    for tails in (False, True):
-        got = pick_victims(cs, n, alpha, tails=tails)
-        assert got == _pick_victims_plain(cs, n, alpha, tails=tails)
+    for bonus in (PLAIN, STRICT, eviction.BONUS, Bonus(0.3, 0.6, 0.2), Bonus(fork=2.0)):
+        got = pick_victims(cs, n, alpha, bonus=bonus)
+        assert got == _pick_victims_plain(cs, n, alpha, bonus=bonus)

@@ -69,7 +69,8 @@ import sglang_kda  # the import guards, as in a server process
 from sglang_kda import patches, request_gate
 from sglang_kda.config import KDAConfig
 
-config = KDAConfig(policy="kda", budget="serial")
+# a round log named: its patch applies too (the file is opened only in a scheduler)
+config = KDAConfig(policy="kda", budget="serial", round_log=os.devnull)
 ctx = patches.PatchContext(config=config, on_cuda=False, cpu_engine=True)
 mods = {n: patches.patch_module(n) for n in patches.PATCH_MODULES}
 

@@ -58,3 +58,74 @@ def test_memory_plan():
     mp = KimiLinearH200(8).memory_plan()
     assert mp["kv_tokens"] > 1 << 20  # a 1M-token context fits on TP8
     assert mp["checkpoints"] > 1000
+
+
+def _reference_predict(m: KimiLinearH200, shape: BatchShape) -> float:
+    """KimiLinearH200.predict as written before its memo: the formula, operation by operation."""
+    from sglang_kda.policy.cost_model import attention_work
+    from sglang_kda.sim import costs
+
+    if shape.is_empty:
+        return 0.0
+    n_pre = sum(s.extend for s in shape.slices)
+    t = m.coef.overhead + m.per_token * n_pre
+    steps = max((costs.kda_steps_abs(s.prefix, s.extend) for s in shape.slices), default=0)
+    t += steps * costs.KDA_LAYERS * costs._kda_chunk_s(m.tp)
+    t += costs._attn_s(sum(attention_work(s.prefix, s.extend) for s in shape.slices), m.tp)
+    bs = len(shape.decode_ctx)
+    if bs:
+        moe = m.per_token * bs if n_pre else costs._moe_decode(bs, m.tp)
+        t += moe + costs._kda_decode(bs, m.tp) + m._mla_decode(shape.decode_ctx)
+    return t
+
+
+def test_memoised_predictions_are_the_formulas_floats_exactly():
+    """The memo (decode terms per context tuple, lone slices per (prefix, extend)) and
+    ``predict_slice`` return the very floats of the formula: the simulator's results and the
+    budget's plans stay bit-identical. Shapes repeat (memo hits) and alternate (misses)."""
+    import random
+
+    from sglang_kda.policy.cost_model import Slice, attention_work
+    from sglang_kda.sim import costs
+
+    rng = random.Random(7)
+    for tp in (1, 4, 8):
+        m = KimiLinearH200(tp)
+        ctxs = [()] + [
+            tuple(rng.randrange(1, 300_000) for _ in range(rng.choice((1, 3, 64, 700))))
+            for _ in range(6)
+        ]
+        for _ in range(3000):
+            ctx = rng.choice(ctxs)
+            k = rng.choice((0, 1, 1, 1, 2, 3))
+            slices = tuple(
+                Slice(rng.choice((0, 64, 700, rng.randrange(0, 200_000))), rng.randrange(0, 9000))
+                for _ in range(k)
+            )
+            shape = BatchShape(ctx, slices)
+            want = _reference_predict(m, shape)
+            assert m.predict(shape) == want
+            if k == 1:
+                s = slices[0]
+                assert m.predict_slice(ctx, s.prefix, s.extend) == want
+                assert m.predict_slice(list(ctx), s.prefix, s.extend) == want
+            if k == 0:
+                assert m.decode_cost(ctx) == (want - m.coef.overhead if ctx else 0.0)
+                assert m.decode_cost(list(ctx)) == m.decode_cost(ctx)
+        lst = [4096, 9000]  # a list may change between calls: never served from the memo
+        for _ in range(3):
+            for shape in (BatchShape(lst), BatchShape(lst, (Slice(0, 640),))):
+                assert m.predict(shape) == _reference_predict(m, shape)
+            lst.append(200_000)
+        for _ in range(300):  # prefill_work, memoised by (start, end): the formula's float
+            a, n = rng.randrange(0, 300_000), rng.randrange(0, 20_000)
+            want = (
+                (
+                    m.per_token * n
+                    + costs.kda_steps_abs(a, n) * costs.KDA_LAYERS * m.kda_chunk_s()
+                    + costs._attn_s(attention_work(a, n), m.tp)
+                )
+                if n > 0
+                else 0.0
+            )
+            assert m.prefill_work(a, a + n) == want == m.prefill_work(a, a + n)

@@ -381,13 +381,17 @@ def integrity_report(tree_cache, live_reqs: Iterable, *, strict: bool = True) ->
             sanity()
         except Exception as e:  # noqa: BLE001 - reported as an integrity failure
             raise IntegrityError(f"SGLang's tree sanity check: {e}") from None
-    return {
+    out = {
         "tree_states": len(tree_vals),
         "counted_states": counted,
         "live_states": len(live),
         "slots_in_use": used,
         "eviction_book": len(state_book(tree_cache)),
     }
+    host = _host_tier_integrity(tree_cache, strict)
+    if host is not None:
+        out["host"] = host
+    return out
 
 
 def enforce_pool_size(tree_cache, cap: int, alpha: Optional[float] = None) -> int:
@@ -438,6 +442,7 @@ def note_state(tree_cache, node_id, depth: Optional[int] = None) -> None:
     root, when the caller knows them)."""
     if node_id is not None:
         state_book(tree_cache).touch(int(node_id), depth)
+        _note_host_tier(tree_cache, node_id)
 
 
 def holds_state(component, node) -> bool:
@@ -495,7 +500,8 @@ def state_nbytes(tree_cache) -> int:
 def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
     """Every state the book knows and the tree still holds, with its depth, its nearest
     state-holding ancestor, its heirs (the states that have it as their nearest ancestor: none
-    makes it a branch end, which the rule evicts last) and its last use (stale book entries are
+    makes it a branch end) and how many of them are branch ends (both set the rule's bonus,
+    :class:`~sglang_kda.cache.eviction.Bonus`), and its last use (stale book entries are
     dropped).
 
     One root path per branch, not per state: states are visited deepest first (the book's
@@ -533,6 +539,10 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
     for _, anc_id, _ in found.values():
         if anc_id is not None:
             heirs[anc_id] = heirs.get(anc_id, 0) + 1
+    end_heirs: dict[int, int] = {}  # of those heirs, the branch ends (the rule's bonus)
+    for nid, (_, anc_id, _) in found.items():
+        if anc_id is not None and nid not in heirs:
+            end_heirs[anc_id] = end_heirs.get(anc_id, 0) + 1
     out = []
     for nid in alive:
         if nid not in found:
@@ -549,6 +559,7 @@ def eviction_candidates(tree_cache, grid: int = GRID) -> list[Candidate]:
                 kda_layers=layers,
                 ancestor_id=anc_id,
                 heirs=heirs.get(nid, 0),
+                end_heirs=end_heirs.get(nid, 0),
             )
         )
     return out
@@ -609,3 +620,61 @@ def evict_states(tree_cache, n: int, alpha: Optional[float], grid: int = GRID) -
         if not _has_state(tree_cache, v):
             book.forget(v)
     return int(res.mamba_num_evicted)
+
+
+# --- The host tier (SGLang's HiCache; sglang_kda/cache/host_tier.py) ---------------------------
+
+
+def _note_host_tier(tree_cache, node_id) -> None:
+    """A node that holds a tree state is remembered for the host tier (HiCache only)."""
+    from sglang_kda.cache import host_tier
+
+    host_tier.note_state_node(tree_cache, node_id, state_book(tree_cache).last_access(node_id))
+
+
+def _host_tier_integrity(tree_cache, strict: bool) -> Optional[dict]:
+    """The host half of :func:`integrity_report` (None without HiCache)."""
+    from sglang_kda.cache import host_tier
+
+    return host_tier.host_integrity(tree_cache, strict)
+
+
+def eviction_candidates_of(tree_cache, node_ids: list[int], last_access) -> list[Candidate]:
+    """Eviction candidates for ``node_ids`` (host-tier states, which the device walk of
+    :func:`eviction_candidates` does not see): depth from each node's root path, nearest
+    ancestor among ``node_ids`` and the device-held states, heirs counted among ``node_ids``,
+    last use from ``last_access(node_id)``."""
+    if not node_ids:
+        return []
+    book = state_book(tree_cache)
+    holders = set(int(n) for n in node_ids) | set(book.node_ids())
+    core = tree_cache.tree_core
+    found: dict[int, tuple[int, Optional[int], int]] = {}
+    for nid in node_ids:
+        path = core.collect_path_info([nid])[0]
+        if not path or path[-1].node_id != nid:
+            continue
+        anc_id, anc_depth = None, 0
+        for info in path[:-1]:
+            if info.node_id in holders:
+                anc_id, anc_depth = info.node_id, info.path_end
+        found[nid] = (path[-1].path_end, anc_id, anc_depth)
+    heirs: dict[int, int] = {}
+    for _, anc_id, _ in found.values():
+        if anc_id is not None:
+            heirs[anc_id] = heirs.get(anc_id, 0) + 1
+    nbytes = state_nbytes(tree_cache)
+    layers = len(tree_cache.req_to_token_pool.mamba_pool.mamba_layer_ids)
+    return [
+        Candidate(
+            node_id=nid,
+            depth=depth,
+            ancestor_depth=anc_depth,
+            last_access=last_access(nid) or 0,
+            nbytes=nbytes,
+            kda_layers=layers,
+            ancestor_id=anc_id,
+            heirs=heirs.get(nid, 0),
+        )
+        for nid, (depth, anc_id, anc_depth) in found.items()
+    ]

@@ -13,16 +13,22 @@ score goes first. Evicting a checkpoint raises the value of its descendants that
 nearest ancestor, so victims are picked one at a time, rescoring after each
 (:func:`pick_victims`); a chain of checkpoints thins out evenly instead of losing a whole region.
 
-Branch ends go last (``tails``, on by default): a state that is no other state's nearest state
-ancestor (the deepest state of its branch: where a finished prompt's chain of checkpoints ends,
-what the next turn of a conversation resumes from) is evicted only when no interior state is
-left to evict; the score orders each tier. Interior states of a finished chain save a later
-request only the distance to the next state kept above them; the end of a chain saves the whole
-prompt. On Kimi's Mooncake conversation trace (first 600 s, Kimi-Linear-48B TP8, 5,142 states,
-a checkpoint every 704 tokens) the score alone evicted whole chains within ~100 s of their
-insert (the pool turns over that fast) while continuations arrive ~160 s after the previous
-turn: 0.059 of the prompt tokens were recomputed for want of a state more than one spacing
-deep; with branch ends kept, 0.025 (benchmark/results/mooncake_diagnosis.md).
+Where a state sits adds a bonus (:data:`BONUS`, a :class:`Bonus`; default 0.5 for a branch end
+and 0.5 for the state above one). A branch end is a state that is no other state's nearest state
+ancestor: where a finished prompt's chain of checkpoints ends, what the next turn of a
+conversation resumes from. Interior states of a finished chain save a later request only the
+distance to the next state kept above them; the end of a chain, and the state above it, save
+the whole prompt (a continuation that shares the prompt only up to some point before its end,
+such as Kimi's, which shares it to its last full 512-token block, needs the state above the end
+half the time at a 704 spacing). The bonus is soft: it is added to a score that ranges over
+``[0, 1 + alpha]``, so a branch end older than about half the pool's age range still goes before
+a fresh interior state, and one-off requests' dead ends age out instead of crowding a small pool
+(a bonus above ``1 + alpha`` is a strict tier). On Kimi's Mooncake conversation trace (first
+600 s, Kimi-Linear-48B TP8, 5,142 states, a checkpoint every 704 tokens) the score alone evicted
+whole chains within ~100 s of their insert (the pool turns over that fast) while continuations
+arrive ~160 s after the previous turn: kda computed 0.809 of the prompt tokens, stock SGLang
+0.780; with the default bonus, 0.767 (benchmark/results/mooncake_diagnosis.md, with the project's
+workloads at small caps, where a strict tier for branch ends lost to stock).
 
 ``--kda-eviction``: ``lru`` (SGLang's own least-recently-used walk), ``marconi`` (this rule with
 ``alpha = 1``) or a number ``alpha >= 0``.
@@ -45,12 +51,35 @@ from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID  # one serial step o
 
 DEFAULT_ALPHA = 1.0
 CHOICES = ("lru", "marconi")
-# Branch ends go last (see the module docstring) when True. Off by default: on Kimi's Mooncake
-# trace (simulator, 0-600 s, TP8) it cuts kda's prefill 0.809 -> 0.786 of prompt tokens, still
-# above stock's 0.780, and at tiny state caps it loses to stock on the project's own workloads
-# (shared_prefix at cap 16: 0.447 -> 0.713, stock 0.573; benchmark/results/mooncake_diagnosis.md).
-# Read at call time by pick_victims' default and by the simulator's tree.
-TAILS = False
+
+
+@dataclass(frozen=True)
+class Bonus:
+    """Score added to a state by where it sits among the states (see the module docstring):
+    ``end``: a branch end (no state has it as nearest state ancestor); ``above_end``: a state
+    with a branch end among its heirs (the state above a chain's end); ``fork``: a state with two
+    or more heirs (requests diverged below it). They add up; all 0 is the plain score. A bonus
+    above ``1 + alpha`` (the score's range) is a strict tier: such states go after every other."""
+
+    end: float = 0.0
+    above_end: float = 0.0
+    fork: float = 0.0
+
+    def of(self, end: bool, above_end: bool, fork: bool) -> float:
+        """The bonus of one state, summed in the order the array rule sums it."""
+        b = 0.0
+        if end:
+            b += self.end
+        if above_end:
+            b += self.above_end
+        if fork:
+            b += self.fork
+        return b
+
+
+# Read at call time by pick_victims' default and by the simulator's tree (one for the server and
+# the simulator; benchmark/eviction_sweep.py measures others).
+BONUS = Bonus(end=0.5, above_end=0.5)
 
 
 def parse_eviction(value: object) -> Optional[float]:
@@ -91,6 +120,8 @@ class Candidate:
     ancestor_id: Optional[int] = None
     heirs: Optional[int] = None  # states (evictable or not) that have this one as their nearest
     # state ancestor; 0: the end of a branch. None: counted among the candidates given.
+    end_heirs: Optional[int] = None  # how many of those heirs are branch ends. None: counted
+    # among the candidates given (with their ``heirs``).
 
 
 def steps_saved(c: Candidate, grid: int = GRID) -> float:
@@ -124,24 +155,25 @@ def pick_victims(
     n: int,
     alpha: float,
     grid: int = GRID,
-    tails: Optional[bool] = None,
+    bonus: Optional[Bonus] = None,
 ) -> list[int]:
     """Up to ``n`` node ids to evict, lowest score first, rescoring after each pick.
 
-    ``tails`` (None: :data:`TAILS`): interior states (``heirs > 0``) go before any branch end
-    (``heirs == 0``); the score orders each tier (normalized over all the candidates). Ties go to
-    the older, then the shallower candidate, then the earlier in ``cands``. A victim's descendants
-    that had it as their nearest state ancestor inherit its ancestor (their saved work grows), and
-    its ancestor inherits its heirs (a chain's end made its ancestor interior; with it gone, the
-    ancestor ends the branch again if it has no other heir). Array arithmetic: each pick rescans the
-    candidates in numpy, the same float operations as :func:`scores` (a 256-state pool shedding 36
-    took 44 ms in plain Python).
+    The score is :func:`scores`' (normalized over the live candidates) plus ``bonus`` (None:
+    :data:`BONUS`) by where each state sits: a branch end (``heirs == 0``), above a branch end
+    (``end_heirs > 0``), a fork (``heirs >= 2``). Ties go to the older, then the shallower
+    candidate, then the earlier in ``cands``. A victim's descendants that had it as their nearest
+    state ancestor inherit its ancestor (their saved work grows), and its ancestor inherits its
+    heirs (a chain's end made its ancestor interior; with it gone, the ancestor ends the branch
+    again if it has no other heir, and the state above that one is then above a branch end).
+    Array arithmetic: each pick rescans the candidates in numpy, the same float operations as
+    :func:`scores` (a 256-state pool shedding 36 took 44 ms in plain Python).
     """
     cs = list(cands)
     if not cs or n <= 0:
         return []
-    if tails is None:
-        tails = TAILS
+    if bonus is None:
+        bonus = BONUS
     ids = [c.node_id for c in cs]
     index = {nid: i for i, nid in enumerate(ids)}
     counted: dict[int, int] = {}
@@ -150,6 +182,14 @@ def pick_victims(
             counted[c.ancestor_id] = counted.get(c.ancestor_id, 0) + 1
     heirs = np.array(
         [c.heirs if c.heirs is not None else counted.get(c.node_id, 0) for c in cs],
+        dtype=np.int64,
+    )
+    ends: dict[int, int] = {}
+    for c, h in zip(cs, heirs, strict=True):
+        if c.ancestor_id is not None and h == 0:
+            ends[c.ancestor_id] = ends.get(c.ancestor_id, 0) + 1
+    end_heirs = np.array(
+        [c.end_heirs if c.end_heirs is not None else ends.get(c.node_id, 0) for c in cs],
         dtype=np.int64,
     )
     times = np.array([c.last_access for c in cs])
@@ -161,6 +201,7 @@ def pick_victims(
     # anc: the ancestor's index among the candidates, -1 outside them (the root, or a state
     # that is not evictable); only a victim, always a candidate, passes its ancestor on.
     alive = np.ones(len(cs), dtype=bool)
+    bonused = bool(bonus.end or bonus.above_end or bonus.fork)
     out: list[int] = []
     while len(out) < n and alive.any():
         live = np.flatnonzero(alive)
@@ -172,10 +213,13 @@ def pick_victims(
         vmax = v.max()
         val = v / vmax if vmax > 0 else np.zeros(len(live))
         sc = rec + alpha * val
-        if tails:  # the lower tier first: interior states while there are any
-            inner = heirs[live] > 0
-            if inner.any():
-                sc = np.where(inner, sc, np.inf)
+        if bonused:  # the same sum, in the same order, as Bonus.of
+            h = heirs[live]
+            bon = np.zeros(len(live))
+            bon = bon + np.where(h == 0, bonus.end, 0.0)
+            bon = np.where(end_heirs[live] > 0, bon + bonus.above_end, bon)
+            bon = np.where(h >= 2, bon + bonus.fork, bon)
+            sc = sc + bon
         pick = np.flatnonzero(sc == sc.min())
         if len(pick) > 1:
             pick = pick[t[pick] == t[pick].min()]
@@ -185,8 +229,12 @@ def pick_victims(
         k = int(live[pick[0]])
         out.append(ids[k])
         alive[k] = False
-        if anc[k] >= 0:
-            heirs[anc[k]] += heirs[k] - 1
+        a = anc[k]
+        if a >= 0:
+            heirs[a] += heirs[k] - 1
+            end_heirs[a] += end_heirs[k] - (1 if heirs[k] == 0 else 0)
+            if heirs[a] == 0 and anc[a] >= 0:  # ``a`` ends its branch now
+                end_heirs[anc[a]] += 1
         below = alive & (anc == k)
         anc_depth[below] = anc_depth[k]
         anc[below] = anc[k]

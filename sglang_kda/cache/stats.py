@@ -40,6 +40,10 @@ _HELP = {
     "eviction_lru_fallbacks": (
         "State evictions that fell back to SGLang's LRU (the state book missed a tree state)"
     ),
+    "host_state_hits": (
+        "KDA states loaded back from the host tier (HiCache) into a request's state slot"
+    ),
+    "host_states_evicted": "KDA states evicted from the host tier (HiCache)",
 }
 _GAUGES = {
     "checkpoints_held": "KDA states held by the radix tree (checkpoints)",
@@ -61,6 +65,8 @@ class CacheStats:
     rounds_made_room: int = 0
     passed_over_while_chunked: int = 0
     eviction_lru_fallbacks: int = 0
+    host_state_hits: int = 0
+    host_states_evicted: int = 0
     checkpoints_held: int = 0
     checkpoint_bytes: int = 0
 

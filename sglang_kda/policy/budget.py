@@ -22,6 +22,12 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   not the whole prompt). With no decode running the prefill takes the largest slice, or with
   ``max_round_s`` the largest whose round fits it (:func:`lone_slice`), so an arrival waits
   for one short round, not one chunk-sized round.
+* **Finishing rounds**: a cut that would leave less than one grid step takes the whole prompt
+  (:func:`whole_within_step`). When the round finishes the head (``share`` covers what it has
+  left), nothing else waits to prefill and decode ran the round before, the prompt runs without
+  the decode tokens if they would delay its first token more than one round's wait delays them
+  (``finish``, :func:`finish_first`; on the CPU engine, where decode costs per stream); decode
+  runs the next round.
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -53,7 +59,9 @@ from typing import Iterable, Sequence
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
-MODES = ("idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst")
+MODES = (
+    "idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst", "finish"
+)
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,22 @@ def with_slow(cfg: BudgetConfig, slow: float | None) -> BudgetConfig:
     return cfg if slow == cfg.slow else replace(cfg, slow=slow)
 
 
+def ctx_tuple(decode_ctx: Sequence[int]) -> tuple:
+    """The decode contexts as a tuple: a tuple as it is, anything else converted once (a cost
+    model may memoise the decode terms of one tuple across the many predictions of a round)."""
+    return decode_ctx if type(decode_ctx) is tuple else tuple(int(c) for c in decode_ctx)
+
+
+def _slicer(model: CostModel):
+    """``price(ctx, done, n)``: the predicted round of the decode tokens ``ctx`` (a tuple) and one
+    slice of ``n`` tokens from ``done``; the model's ``predict_slice`` where it has one (the same
+    float as ``predict`` of that shape, without building it)."""
+    price = getattr(model, "predict_slice", None)
+    if price is not None:
+        return price
+    return lambda ctx, done, n: model.predict(BatchShape(ctx, (Slice(done, n),)))
+
+
 def deadline_of(
     arrival: float, prompt_tokens: int, cfg: BudgetConfig, override_s: float | None = None
 ) -> float:
@@ -197,7 +221,8 @@ def round_budget(model: CostModel, decode_ctx: Sequence[int], cfg: BudgetConfig)
     if cfg.itl_target_s is not None:
         target = cfg.itl_target_s
     else:
-        target = max(cfg.itl_floor_s, cfg.itl_factor * model.predict(BatchShape.of(decode_ctx)))
+        step = model.predict(BatchShape(ctx_tuple(decode_ctx)))
+        target = max(cfg.itl_floor_s, cfg.itl_factor * step)
     return max(target / 2, target - cfg.overhead_s) / cfg.slow
 
 
@@ -231,19 +256,28 @@ def fit_slice(
     time_s: float,
     grid: int,
     max_slice: int,
+    memo: dict | None = None,
 ) -> int:
     """The longest grid-aligned slice from ``done`` whose round (with ``decode_ctx``) fits in
-    ``time_s``; all of ``remaining`` when that fits; at least :func:`_first_step`."""
+    ``time_s``; all of ``remaining`` when that fits; at least :func:`_first_step`. ``memo``: a
+    dict kept by the caller for one model and one ``decode_ctx`` (one round's plan): prompts
+    whose search is the same (the same ``done``, both longer than ``max_slice``) search once."""
     if remaining <= 0:
         return 0
+    cap = min(remaining, max_slice)
+    first = _first_step(done, remaining, grid)
+    if memo is not None:
+        key = ("fit", done, cap, first, time_s, grid)
+        if key not in memo:
+            memo[key] = fit_slice(model, decode_ctx, done, remaining, time_s, grid, max_slice)
+        return memo[key]
+    ctx, price = ctx_tuple(decode_ctx), _slicer(model)
 
     def cost(n: int) -> float:
-        return model.predict(BatchShape(tuple(decode_ctx), (Slice(done, n),)))
+        return price(ctx, done, n)
 
-    cap = min(remaining, max_slice)
     if cost(cap) <= time_s:
         return cap
-    first = _first_step(done, remaining, grid)
     # Candidate ends on the grid: first, first + grid, ... below cap. Cost grows with length.
     lo, hi = 0, max(0, (cap - first - 1) // grid)  # k: slice = first + k * grid < cap
     if cost(first) > time_s:
@@ -313,13 +347,14 @@ def progress_floor(
 def _local_floor(model: CostModel, decode_ctx: Sequence[int], p: Prefill, cfg: BudgetConfig) -> int:
     """:func:`progress_floor` without the banked time: every round keeps the local rate."""
     cap = min(p.remaining, cfg.max_slice)
-    alone = model.predict(BatchShape((), (Slice(p.done, cap),))) + cfg.overhead_s
+    ctx, price = ctx_tuple(decode_ctx), _slicer(model)
+    alone = price((), p.done, cap) + cfg.overhead_s
     if alone <= 0:
         return 0
     want = cap / alone / cfg.max_slowdown  # tokens per second beside decode
 
     def rate(n: int) -> float:
-        t = model.predict(BatchShape(tuple(decode_ctx), (Slice(p.done, n),))) + cfg.overhead_s
+        t = price(ctx, p.done, n) + cfg.overhead_s
         return n / max(t, 1e-12)
 
     first = _first_step(p.done, p.remaining, cfg.grid)
@@ -369,7 +404,7 @@ def burst_slice(
 ) -> int:
     """The slice of a paced round: it fits the round budget plus the headroom (``budget`` minus
     the decode-only step) of the ``cfg.pace_every`` rounds it stands for; at least one step."""
-    headroom = max(0.0, budget - model.predict(BatchShape.of(decode_ctx)))
+    headroom = max(0.0, budget - model.predict(BatchShape(ctx_tuple(decode_ctx))))
     time_s = budget + cfg.pace_every * headroom
     return fit_slice(model, decode_ctx, p.done, p.remaining, time_s, cfg.grid, cfg.max_slice)
 
@@ -380,7 +415,7 @@ def paced_finish_time(
     """Predicted seconds until ``p`` is done when only one round in ``cfg.pace_every`` carries a
     slice of ``s`` tokens (the others: decode alone)."""
     n = _rounds(p.done, p.remaining, s, cfg.grid)
-    decode_round = model.predict(BatchShape.of(decode_ctx))
+    decode_round = model.predict(BatchShape(ctx_tuple(decode_ctx)))
     return finish_time(model, decode_ctx, p, s, cfg) + n * (cfg.pace_every - 1) * decode_round
 
 
@@ -434,18 +469,19 @@ def interleave_due(
 
 
 def at_risk(
-    model: CostModel, decode_ctx: Sequence[int], p: Prefill, now: float, cfg: BudgetConfig
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    now: float,
+    cfg: BudgetConfig,
+    budget: float | None = None,
+    memo: dict | None = None,
 ) -> bool:
-    """Sharing the default round budget would miss ``p``'s deadline."""
-    share = fit_slice(
-        model,
-        decode_ctx,
-        p.done,
-        p.remaining,
-        round_budget(model, decode_ctx, cfg),
-        cfg.grid,
-        cfg.max_slice,
-    )
+    """Sharing the default round budget would miss ``p``'s deadline. ``budget``: the round
+    budget when the caller has it; ``memo``: as :func:`fit_slice` takes it."""
+    if budget is None:
+        budget = round_budget(model, decode_ctx, cfg)
+    share = fit_slice(model, decode_ctx, p.done, p.remaining, budget, cfg.grid, cfg.max_slice, memo)
     return finish_time(model, decode_ctx, p, share, cfg) * cfg.safety > p.deadline - now
 
 
@@ -467,6 +503,53 @@ def order(
     return head + risky + [p for p in rest if id(p) not in ids]
 
 
+def _first_in_order(
+    model: CostModel,
+    decode_ctx: tuple,
+    prefills: Sequence[Prefill],
+    now: float,
+    cfg: BudgetConfig,
+    inflight: str | None,
+    budget: float,
+    memo: dict,
+) -> Prefill:
+    """``order(...)[0]`` without ordering the rest: the in-flight prefill, else the first at
+    risk by deadline (ties in the order given, as the stable sort keeps them), else the first."""
+    for p in prefills:
+        if p.rid == inflight:
+            return p
+    for p in sorted(prefills, key=lambda p: p.deadline):
+        if at_risk(model, decode_ctx, p, now, cfg, budget, memo):
+            return p
+    return prefills[0]
+
+
+def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
+    """``tokens``, or all that ``p`` has left when a cut at ``tokens`` would leave less than one
+    grid step: a round for those few tokens costs a round's fixed cost and delays the prompt's
+    first token by a whole round, for less than the one grid step a slice may overspend anyway."""
+    end = slice_end(p.done, tokens, p.remaining, grid)
+    return p.remaining if 0 < p.total - end < grid else tokens
+
+
+def finish_first(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
+) -> bool:
+    """Whether the round that finishes ``p`` (``tokens`` covers all it has left) should run
+    without the decode tokens, which then run in the next round. Riding along they delay ``p``'s
+    first token by ``mixed - alone``; waiting one round delays them by ``alone + overhead +
+    decode step - mixed``; the smaller delay wins. Where decode costs per sequence (the CPU
+    engine: three decode streams add ~30 ms to a round, and one more round ~8 ms) the prompt goes
+    first; where a decode token rides along nearly free (GPU models) decode stays in."""
+    if not decode_ctx or p.remaining <= 0 or tokens < p.remaining:
+        return False
+    ctx, cut = tuple(decode_ctx), (Slice(p.done, p.remaining),)
+    mixed = model.predict(BatchShape(ctx, cut))
+    alone = model.predict(BatchShape((), cut))
+    wait = alone + cfg.overhead_s + model.predict(BatchShape(ctx))  # decode's, split
+    return mixed - alone > wait - mixed
+
+
 def plan_round(
     model: CostModel,
     cfg: BudgetConfig,
@@ -485,41 +568,50 @@ def plan_round(
     model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
     before this one (``None``: a prefill that must run alone never lets decode in,
     :func:`interleave_due`)."""
+    decode_ctx = ctx_tuple(decode_ctx)  # once: every prediction below reuses the tuple
     budget = round_budget(model, decode_ctx, cfg)
     pending = [p for p in prefills if p.remaining > 0]
     if not pending:
-        return Plan("idle", None, 0, True, budget, model.predict(BatchShape.of(decode_ctx)))
-    head = order(model, decode_ctx, pending, now, cfg, inflight)[0]
+        return Plan("idle", None, 0, True, budget, model.predict(BatchShape(decode_ctx)))
+    memo: dict = {}  # this round's searches (one model, one decode_ctx)
+    head = _first_in_order(model, decode_ctx, pending, now, cfg, inflight, budget, memo)
     sl = slack(model, head, now, cfg)
+    price = _slicer(model)
 
     def planned(mode: str, tokens: int, mix: bool, budget_s: float | None = None) -> Plan:
         end = slice_end(head.done, tokens, head.remaining, cfg.grid)
-        shape = BatchShape(tuple(decode_ctx) if mix else (), (Slice(head.done, end - head.done),))
-        pred = model.predict(shape)
+        pred = price(decode_ctx if mix else (), head.done, end - head.done)
         return Plan(mode, head.rid, tokens, mix, pred if budget_s is None else budget_s, pred, sl)
 
     if not decode_ctx:
         return planned("prefill_only", lone_slice(model, head, now, cfg), False)
-    share = fit_slice(model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice)
+    share = fit_slice(
+        model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
+    )
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
+    share = whole_within_step(head, share, cfg.grid)
     if (
         since_slice is not None
         and cfg.pace_every > 1
         and len(pending) == 1
         and head.remaining > cfg.grid  # a prompt within one grid step is not held back
     ):
-        over = slice_overshoots or (
-            model.predict(BatchShape(tuple(decode_ctx), (Slice(head.done, share),))) > budget
-        )
+        over = slice_overshoots or (price(decode_ctx, head.done, share) > budget)
         if over:
             burst = burst_slice(model, decode_ctx, head, budget, cfg)
             paced = paced_finish_time(model, decode_ctx, head, burst, cfg)
             if paced * cfg.safety <= head.deadline - now:
                 if since_slice < cfg.pace_every - 1:
-                    dec = model.predict(BatchShape.of(decode_ctx))
+                    dec = model.predict(BatchShape(decode_ctx))
                     return Plan("pace", head.rid, 0, True, budget, dec, sl)
                 return planned("burst", burst, True, budget)
     if finish_time(model, decode_ctx, head, share, cfg) * cfg.safety <= head.deadline - now:
+        if (
+            since_decode == 0  # decode ran last round: it never waits two rounds in a row
+            and len(pending) == 1  # nothing queued behind it that decode would wait for too
+            and finish_first(model, decode_ctx, head, share, cfg)
+        ):
+            return planned("finish", head.remaining, False)
         return planned("share", share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)
     if need is not None:

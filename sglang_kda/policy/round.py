@@ -186,6 +186,7 @@ class RoundPlanner:
         divided by it).
         ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
+        decode_ctx = budget_mod.ctx_tuple(decode_ctx)  # one tuple for all the round's predictions
         present = dict(queue)
         for rid in [r for r in book.live if r not in present]:
             book.drop(rid)
@@ -206,7 +207,8 @@ class RoundPlanner:
             since_decode=self.since_decode if decode_ctx else None,
         )
         self.last_plan = plan
-        self.since_decode = self.since_decode + 1 if plan.mode == "alone" else 0  # only with decode
+        # rounds where decode waited, in a row (only with decode)
+        self.since_decode = self.since_decode + 1 if plan.mode in ("alone", "finish") else 0
         self.since_slice = budget_mod.next_since_slice(
             self.since_slice, plan, bool(decode_ctx), self.cfg
         )

@@ -77,7 +77,7 @@ def capture_bytes(sizes: StateSizes, chunk_tokens: int, every: int) -> int:
 def kernel_scratch_bytes(
     config: Mapping[str, Any], tp_size: int, chunk_tokens: int, dtype_bytes: int = 2
 ) -> int:
-    """Peak scratch of sglang_kda's Triton extend (``kernels/kda_triton.chunk_kda_fwd``) for one
+    """Peak scratch of sglang_kda's Triton extend (``kernels/kda/ops.chunk_kda_fwd``) for one
     KDA layer over ``chunk_tokens`` tokens, per rank: per token and local head the fp32 gate
     cumsum, ``qg``/``kg``/``w``/``u`` in the input dtype, the 64-wide ``Aqk``/``Ai`` (input dtype)
     and ``Akk`` (fp32); per 64-token chunk and head the chunk state ``h`` (input dtype). Freed

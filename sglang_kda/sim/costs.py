@@ -170,6 +170,25 @@ class _Coef:
     overhead: float
 
 
+class _Memo:
+    """:class:`KimiLinearH200`'s memo: the last decode batch's terms (keyed by the identity of
+    its context tuple; those of its size alone by size), its decode cost, lone slices' terms by
+    (prefix, extend) and prefill work by (start, end) (each dict cleared when it grows large)."""
+
+    MAX_SLICES = 1 << 16
+
+    def __init__(self, chunk_s: float) -> None:
+        self.chunk_s = chunk_s  # kda_chunk_s(), computed once
+        self.ctx: tuple | None = None
+        self.bs = 0
+        self.moe = self.kda = self.mla = 0.0
+        self.by_bs: dict = {}  # batch size -> (expert weights streamed, KDA state reads)
+        self.slices: dict = {}
+        self.work: dict = {}  # prefill_work by (start, end)
+        self.cost_ctx: tuple | None = None  # decode_cost of this tuple
+        self.cost = 0.0
+
+
 @dataclass(frozen=True)
 class KimiLinearH200:
     """Kimi-Linear-48B-A3B on ``tp`` H200s (TP1/TP4/TP8), SGLang-like batching on GPU.
@@ -193,12 +212,14 @@ class KimiLinearH200:
     tp: int = 8
     coef: _Coef = field(init=False)
     per_token: float = field(init=False)
+    _memo: _Memo = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp not in (1, 2, 4, 8):
             raise ValueError("tp must be 1, 2, 4 or 8")
         object.__setattr__(self, "coef", _Coef(_t0_published() * _tp_step_factor(self.tp)))
         object.__setattr__(self, "per_token", self._calibrate_per_token())
+        object.__setattr__(self, "_memo", _Memo(_kda_chunk_s(self.tp)))
 
     # -- pieces ---------------------------------------------------------------------------------
     def kda_chunk_s(self) -> float:
@@ -232,23 +253,76 @@ class KimiLinearH200:
 
     # -- the interface --------------------------------------------------------------------------
     def predict(self, shape: BatchShape) -> float:
-        if shape.is_empty:
-            return 0.0
-        n_pre = sum(s.extend for s in shape.slices)
+        # The formula above, each operation in the same order; the budget calls this many times
+        # a round, so the parts that repeat are memoised (:class:`_Memo`): the decode tokens'
+        # terms per context tuple, a lone slice's terms per (prefix, extend). Same floats.
+        slices, ctx = shape.slices, shape.decode_ctx
+        if len(slices) == 1:
+            s = slices[0]
+            return self._one_slice(ctx, s.prefix, s.extend)
+        if not slices:  # decode alone: the prefill terms are all +0.0
+            return self.coef.overhead + self._decode_terms(ctx, 0) if ctx else 0.0
+        n_pre = sum(s.extend for s in slices)
+        if not ctx and not n_pre:
+            return 0.0  # an empty batch
         t = self.coef.overhead + self.per_token * n_pre
-        steps = max((kda_steps_abs(s.prefix, s.extend) for s in shape.slices), default=0)
-        t += steps * KDA_LAYERS * self.kda_chunk_s()
-        t += self._attn_s(sum(attention_work(s.prefix, s.extend) for s in shape.slices))
-        bs = len(shape.decode_ctx)
-        if bs:
-            moe = self.per_token * bs if n_pre else self._moe_decode(bs)
-            t += moe + self._kda_decode(bs) + self._mla_decode(shape.decode_ctx)
+        steps = max((kda_steps_abs(s.prefix, s.extend) for s in slices), default=0)
+        t += steps * KDA_LAYERS * self._memo.chunk_s
+        t += self._attn_s(sum(attention_work(s.prefix, s.extend) for s in slices))
+        if ctx:
+            t += self._decode_terms(ctx, n_pre)
         return t
+
+    def predict_slice(self, decode_ctx: Sequence[int], prefix: int, extend: int) -> float:
+        """``predict(BatchShape(tuple(decode_ctx), (Slice(prefix, extend),)))``, the same float,
+        without building the shape (the budget's searches over slice lengths)."""
+        ctx = decode_ctx if type(decode_ctx) is tuple else tuple(decode_ctx)
+        return self._one_slice(ctx, prefix, extend)
+
+    def _one_slice(self, ctx: tuple, prefix: int, extend: int) -> float:
+        if not ctx and not extend:
+            return 0.0  # an empty batch
+        memo = self._memo
+        key = (prefix, extend)
+        t = memo.slices.get(key)
+        if t is None:
+            t = self.coef.overhead + self.per_token * extend
+            t += kda_steps_abs(prefix, extend) * KDA_LAYERS * memo.chunk_s
+            t += self._attn_s(attention_work(prefix, extend))
+            if len(memo.slices) >= _Memo.MAX_SLICES:
+                memo.slices.clear()
+            memo.slices[key] = t
+        if ctx:
+            t += self._decode_terms(ctx, extend)
+        return t
+
+    def _decode_terms(self, ctx: tuple, n_pre: int) -> float:
+        """What the decode tokens ``ctx`` add to a round with ``n_pre`` prefill tokens: expert
+        weights (streamed when decode runs alone, else the per-token term), KDA state reads, MLA
+        decode attention, summed in that order."""
+        if type(ctx) is not tuple:  # a list may change in place: no memo
+            moe = self.per_token * len(ctx) if n_pre else self._moe_decode(len(ctx))
+            return moe + self._kda_decode(len(ctx)) + self._mla_decode(ctx)
+        memo = self._memo
+        if ctx is not memo.ctx:  # by identity: the memo holds the tuple, so its id stays unique
+            bs = len(ctx)
+            memo.ctx, memo.bs, memo.mla = ctx, bs, self._mla_decode(ctx)
+            if bs not in memo.by_bs:
+                memo.by_bs[bs] = (self._moe_decode(bs), self._kda_decode(bs))
+            memo.moe, memo.kda = memo.by_bs[bs]
+        moe = self.per_token * memo.bs if n_pre else memo.moe
+        return moe + memo.kda + memo.mla
 
     def decode_cost(self, decode_ctx: Sequence[int]) -> float:
         if not decode_ctx:
             return 0.0
-        return self.predict(BatchShape.of(decode_ctx)) - self.coef.overhead
+        memo = self._memo
+        if type(decode_ctx) is not tuple:
+            return self.predict(BatchShape.of(decode_ctx)) - self.coef.overhead
+        if decode_ctx is not memo.cost_ctx:  # by identity, as in _decode_terms
+            memo.cost_ctx = decode_ctx
+            memo.cost = self.predict(BatchShape(decode_ctx)) - self.coef.overhead
+        return memo.cost
 
     def slice_round(self, decode_ctx: Sequence[int] = ()) -> float:
         return self.coef.overhead + self.decode_cost(decode_ctx)
@@ -256,13 +330,21 @@ class KimiLinearH200:
     def prefill_work(self, start: int, end: int) -> float:
         if end <= start:
             return 0.0
-        n = end - start
-        steps = kda_steps_abs(start, n)
-        return (
-            self.per_token * n
-            + steps * KDA_LAYERS * self.kda_chunk_s()
-            + self._attn_s(attention_work(start, n))
-        )
+        work = self._memo.work
+        key = (start, end)
+        t = work.get(key)
+        if t is None:  # a waiting prompt asks again every round
+            n = end - start
+            steps = kda_steps_abs(start, n)
+            t = (
+                self.per_token * n
+                + steps * KDA_LAYERS * self.kda_chunk_s()
+                + self._attn_s(attention_work(start, n))
+            )
+            if len(work) >= _Memo.MAX_SLICES:
+                work.clear()
+            work[key] = t
+        return t
 
     def alone_time(self, start: int, end: int, max_slice: int) -> float:
         if end <= start:

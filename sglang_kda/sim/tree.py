@@ -39,12 +39,13 @@ Eviction costs what the evictions cost, not a walk of the tree: the tree keeps, 
 each node's recency (the most recent access in its subtree), each checkpoint's distance to its
 nearest checkpointed ancestor (the rule's saved work), the checkpoints in the order of their
 last insert or hit, each checkpoint's heirs (the checkpoints that have it as nearest checkpointed
-ancestor: none makes it a branch end, which the rule evicts last), and lazy heaps of the LRU
-candidates (checkpoints; unlocked leaves). The victims are the ones the old walk picked, in the
-same order (``tests/sim/test_tree_fast.py``
-checks it against the walk, kept there as the reference). ``eviction.pick_victims`` is evaluated
-incrementally (:meth:`RadixTree._pick_by_rule`: the same float operations on the candidates that
-can win); when a test or an experiment swaps the module's function, the tree walks and calls it.
+ancestor: none makes it a branch end) and how many of them are branch ends (the two set the
+rule's bonus, ``eviction.BONUS``), and lazy heaps of the LRU candidates (checkpoints; unlocked
+leaves). The victims are the ones the old walk picked, in the same order
+(``tests/sim/test_tree_fast.py`` checks it against the walk, kept there as the reference).
+``eviction.pick_victims`` is evaluated incrementally (:meth:`RadixTree._pick_by_rule`: the same
+float operations on the candidates that can win); when a test or an experiment swaps the
+module's function, the tree walks and calls it.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class Node:
     recency: int = 0  # the most recent last_access in this node's subtree (LRU's key)
     gap: int = 0  # checkpoint: depth - depth of the nearest checkpointed ancestor (root: 0)
     heirs: int = 0  # checkpoint: checkpoints that have it as their nearest checkpointed ancestor
-    filed: tuple = ()  # unlocked checkpoint: its key in the rule's index, (branch end?, gap)
+    end_heirs: int = 0  # checkpoint: how many of its heirs are branch ends (have no heirs)
+    filed: tuple = ()  # unlocked checkpoint: its key in the rule's index (see ``_key``)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -150,7 +152,7 @@ class RadixTree:
     def _index_reset(self) -> None:
         # checkpointed nodes, oldest state_access first (ties: shallower first, as inserted)
         self._ckpts: OrderedDict = OrderedDict()
-        # (branch end?, gap) -> count, over the unlocked checkpoints
+        # (branch end?, above a branch end?, fork?, gap) -> count, over the unlocked checkpoints
         self._gaps: dict = {}
         # the same key -> heap of (state_access, depth, serial, node) of the unlocked
         # checkpoints under it, lazy (an entry whose node moved on is dropped at the top)
@@ -180,9 +182,15 @@ class RadixTree:
     def _push(self, heap: list, node: Node) -> None:
         heapq.heappush(heap, (node.recency, -node.depth, node.serial, next(self._seq), node))
 
+    @staticmethod
+    def _key(node: Node) -> tuple:
+        """A checkpoint's place in the rule's index: what sets its bonus (``eviction.Bonus``:
+        branch end, above a branch end, fork) and its gap (its saved work)."""
+        return (node.heirs == 0, node.end_heirs > 0, node.heirs >= 2, node.gap)
+
     def _gap_add(self, node: Node) -> None:
-        """``node`` (an unlocked checkpoint) joins the candidates of its key (tier, gap)."""
-        key = node.filed = (node.heirs == 0, node.gap)
+        """``node`` (an unlocked checkpoint) joins the candidates of its key (:meth:`_key`)."""
+        key = node.filed = self._key(node)
         self._gaps[key] = self._gaps.get(key, 0) + 1
         self._file(node)
 
@@ -220,16 +228,20 @@ class RadixTree:
         else:
             node.gap = gap
 
-    def _add_heirs(self, node: Optional[Node], k: int) -> None:
-        """``node`` (a checkpoint, or None: the root) gains ``k`` heirs (may be negative); a
-        change of tier (branch end or not) refiles it."""
-        if node is None or k == 0:
+    def _add_heirs(self, node: Optional[Node], k: int, ends: int) -> None:
+        """``node`` (a checkpoint, or None: the root) gains ``k`` heirs, ``ends`` of them branch
+        ends (either may be negative); a change of key refiles it, and a change of its being a
+        branch end changes its own ancestor's count of branch-end heirs."""
+        if node is None or (k == 0 and ends == 0):
             return
-        was = node.heirs == 0
+        was, before = node.heirs == 0, self._key(node)
         node.heirs += k
-        if node.lock_own == 0 and (node.heirs == 0) != was:
+        node.end_heirs += ends
+        if node.lock_own == 0 and self._key(node) != before:
             self._gap_remove(node)
             self._gap_add(node)
+        if (node.heirs == 0) != was:
+            self._add_heirs(self._ancestor(node), 0, -1 if was else 1)
 
     @staticmethod
     def _ancestor(node: Node) -> Optional[Node]:
@@ -264,13 +276,15 @@ class RadixTree:
         node.gap = node.depth - (0 if anc is None else anc.depth)
         heirs = self._heirs(node)
         node.heirs = len(heirs)
+        node.end_heirs = sum(1 for h in heirs if h.heirs == 0)
         self._ckpts[node] = None
         if node.lock_own == 0:
             self._gap_add(node)
             self._push(self._lru_ckpt, node)
         for h in heirs:
             self._set_gap(h, h.depth - node.depth)
-        self._add_heirs(anc, 1 - len(heirs))  # its heirs below ``node`` are now ``node``'s
+        # its heirs below ``node`` are now ``node``'s, and ``node`` is its heir
+        self._add_heirs(anc, 1 - len(heirs), int(node.heirs == 0) - node.end_heirs)
 
     def _drop_checkpoint(self, node: Node) -> None:
         node.checkpoint = False
@@ -281,8 +295,9 @@ class RadixTree:
         above = node.depth - node.gap
         for h in self._heirs(node):
             self._set_gap(h, h.depth - above)
-        self._add_heirs(self._ancestor(node), node.heirs - 1)
-        node.heirs = 0
+        ends = node.end_heirs - int(node.heirs == 0)
+        self._add_heirs(self._ancestor(node), node.heirs - 1, ends)
+        node.heirs = node.end_heirs = 0
 
     def _state_touched(self, node: Node, t: int) -> None:
         node.state_access = t
@@ -621,9 +636,11 @@ class RadixTree:
         cands, by_id = [], {}
         stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
         heirs: dict = {}
+        anc_of: dict = {}  # every checkpoint's nearest checkpointed ancestor (serials)
         while stack:
             node, anc = stack.pop()
             if node.checkpoint:
+                anc_of[node.serial] = None if anc is None else anc.serial
                 if anc is not None:
                     heirs[anc.serial] = heirs.get(anc.serial, 0) + 1
                 if node.lock_own == 0:
@@ -642,7 +659,16 @@ class RadixTree:
                 anc = node
             # insertion order (deterministic): the candidates' order for exact ties
             stack.extend((c, anc) for c in reversed(list(node.children.values())))
-        cands = [dataclasses.replace(c, heirs=heirs.get(c.node_id, 0)) for c in cands]
+        ends: dict = {}
+        for nid, a in anc_of.items():
+            if a is not None and nid not in heirs:
+                ends[a] = ends.get(a, 0) + 1
+        cands = [
+            dataclasses.replace(
+                c, heirs=heirs.get(c.node_id, 0), end_heirs=ends.get(c.node_id, 0)
+            )
+            for c in cands
+        ]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
             self._drop_checkpoint(by_id[nid])
@@ -653,31 +679,35 @@ class RadixTree:
 
         Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all times
         are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha * v /
-        vmax``; lowest score, then oldest, then shallowest. ``v`` grows with the gap, so ``vmax`` is
-        the largest gap's; among checkpoints with equal gaps the oldest (then the shallowest) scores
-        lowest, so only each gap's oldest is scored (the unlocked checkpoints are filed by (branch
-        end?, gap), oldest first; branch ends, ``heirs == 0``, come after every interior checkpoint,
-        the rule's ``tails`` tier). ``(state_access, depth)`` is unique (one insert marks one path,
-        a hit one node), so no tie goes further. A victim's checkpoint is dropped at once, so the
+        vmax`` plus the bonus (``eviction.BONUS``: branch end, above a branch end, fork); lowest
+        score, then oldest, then shallowest. ``v`` grows with the gap, so ``vmax`` is the largest
+        gap's; among checkpoints with equal gaps and equal bonus the oldest (then the shallowest)
+        scores lowest, so only each key's oldest is scored (the unlocked checkpoints are filed by
+        :meth:`_key`, (branch end?, above a branch end?, fork?, gap), oldest first).
+        ``(state_access, depth)`` is unique (one insert marks one path, a hit one node), so no tie
+        goes further. A victim's checkpoint is dropped at once, so the
         checkpoints that had it as nearest ancestor inherit its ancestor (their gap grows), as the
         rule's rescoring does.
         """
         grid, per, nbytes = eviction_mod.GRID, self.kda_layers, max(self.state_nbytes, 1)
         alpha = self.alpha
-        tiers = bool(eviction_mod.TAILS)
+        bonus = eviction_mod.BONUS
+        bonused = bool(bonus.end or bonus.above_end or bonus.fork)
         done = 0
         while done < n and self._gaps:
-            tops = [(g, self._oldest(g)) for g in self._gaps]
+            tops = [(k, self._oldest(k)) for k in self._gaps]
             lo = min(x.state_access for _, x in tops)
             hi = next(x for x in reversed(self._ckpts) if x.lock_own == 0).state_access
             span = hi - lo
-            vmax = max(max(g for _, g in self._gaps), 0) / grid * per / nbytes
+            vmax = max(max(k[-1] for k in self._gaps), 0) / grid * per / nbytes
             best = None
-            for (tail, g), x in tops:
+            for (end, above, fork, g), x in tops:
                 rec = (x.state_access - lo) / span if span > 0 else 1.0
                 v = max(g, 0) / grid * per / nbytes
                 score = rec + alpha * (v / vmax if vmax > 0 else 0.0)
-                key = (tail and tiers, score, x.state_access, x.depth)
+                if bonused:
+                    score = score + bonus.of(end, above, fork)
+                key = (score, x.state_access, x.depth)
                 if best is None or key < best[0]:
                     best = (key, x)
             self._drop_checkpoint(best[1])
@@ -695,8 +725,8 @@ class RadixTree:
 
     # -- integrity ----------------------------------------------------------------------------
     def _check_index(self, order: list, recency: dict, fail) -> None:
-        """The incremental eviction index against a walk: recency, gaps, heirs, the checkpoints
-        in order of their last insert or hit, the (branch end?, gap) counts."""
+        """The incremental eviction index against a walk: recency, gaps, heirs, branch-end heirs,
+        the checkpoints in order of their last insert or hit, the counts per key (``_key``)."""
         ckpts = [n for n in order if n.checkpoint]
         for n in order:
             if n is not self.root and n.recency != recency[id(n)]:
@@ -707,13 +737,20 @@ class RadixTree:
             a = self._ancestor(n)
             if a is not None:
                 heirs[id(a)] = heirs.get(id(a), 0) + 1
+        ends: dict = {}
+        for n in ckpts:
+            a = self._ancestor(n)
+            if a is not None and id(n) not in heirs:
+                ends[id(a)] = ends.get(id(a), 0) + 1
         for n in ckpts:
             if n.gap != n.depth - self._ancestor_depth(n):
                 fail(f"gap {n.gap} != {n.depth - self._ancestor_depth(n)} walked")
             if n.heirs != heirs.get(id(n), 0):
                 fail(f"heirs {n.heirs} != {heirs.get(id(n), 0)} walked")
+            if n.end_heirs != ends.get(id(n), 0):
+                fail(f"branch-end heirs {n.end_heirs} != {ends.get(id(n), 0)} walked")
             if n.lock_own == 0:
-                key = (n.heirs == 0, n.gap)
+                key = self._key(n)
                 if n.filed != key:
                     fail(f"filed under {n.filed}, not {key}")
                 gaps[key] = gaps.get(key, 0) + 1

@@ -263,6 +263,7 @@ class BudgetRuntime:
     # the last planned round's inputs and decision as the round log writes them
     # (sglang_kda.wiring.round_log); None until a round is planned
     last_round: Optional[dict] = None
+    last_step_s: Optional[float] = None  # the last step's measured time (the round log's too)
 
     @property
     def book(self):
@@ -394,6 +395,7 @@ class BudgetRuntime:
         shared round overshot its budget."""
         if shape is None:
             return
+        self.last_step_s = seconds
         self.observe(shape, seconds)
         self.planner.observed(seconds, bool(shape.slices), bool(shape.decode_ctx))
 

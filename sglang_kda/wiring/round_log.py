@@ -12,7 +12,8 @@ one pass of the scheduler's loop that planned or ran something:
   budget or when it planned nothing;
 * ``slices``: the prefill slices of the batch, in batch order: (rid, prefix, extend);
 * ``decode``: the rids decoding in it (a decode batch, or the decode part of a mixed one);
-* ``seconds``: the step's time from launch to processed result (``null``: no batch).
+* ``seconds``: the step's time as the serial budget measured it (launch to processed result),
+  or without the budget from the end of the pass to the start of the next (``null``: no batch).
 
 Passes with nothing queued, nothing running and nothing planned are written once per idle
 stretch (the planner's state does not change in them). The replay is
@@ -35,16 +36,27 @@ class RoundLog:
 
     def __init__(self, path: str, header: dict) -> None:
         self.f = open(path, "w", buffering=1)  # noqa: SIM115  (open for the process' life)
-        self.pending: Optional[dict] = None
+        self.pending: Optional[dict] = None  # the last pass's entry, its step still running
+        self.pending_end = 0.0  # when that pass ended (perf_counter)
         self.idle_written = False
-        self.start = 0.0
         self._write({"kind": "header", **header})
 
     def _write(self, obj: dict) -> None:
         self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
     def begin(self, sched: Any) -> dict:
-        """A pass of the loop begins: note the requests new in the queue."""
+        """A pass of the loop begins (the last pass's step is done): write the last pass's entry
+        and note the requests new in the queue."""
+        st = getattr(sched, "_kda_budget", None)
+        if self.pending is not None:
+            measured = st.last_step_s if st else None
+            if measured is None:
+                measured = time.perf_counter() - self.pending_end
+            self.pending["seconds"] = measured
+            self._write(self.pending)
+            self.pending = None
+        if st:
+            st.last_step_s = None
         arrivals = []
         for req in sched.waiting_queue:
             if getattr(req, MARK, False):
@@ -59,7 +71,6 @@ class RoundLog:
                     "created": created,
                 }
             )
-        st = getattr(sched, "_kda_budget", None)
         if st:
             st.last_round = None
         return {"t": time.monotonic(), "arrivals": arrivals}
@@ -81,16 +92,7 @@ class RoundLog:
             return
         self.idle_written = False
         self.pending = entry
-
-    def launched(self) -> None:
-        self.start = time.perf_counter()
-
-    def processed(self) -> None:
-        """The pending batch's result was processed: its entry is complete."""
-        if self.pending is not None:
-            self.pending["seconds"] = time.perf_counter() - self.start
-            self._write(self.pending)
-            self.pending = None
+        self.pending_end = time.perf_counter()
 
 
 def batch_rounds(batch: Any) -> tuple[list, list]:

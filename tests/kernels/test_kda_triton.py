@@ -1,4 +1,5 @@
-"""Tests of the Triton chunkwise KDA kernels (:mod:`sglang_kda.kernels.kda_triton`).
+"""Tests of the Triton chunkwise KDA kernels (:mod:`sglang_kda.kernels.kda`, entry points in
+:mod:`sglang_kda.kernels.kda.ops`).
 
 Without a CUDA GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below
 before the kernel module is imported, and by tests/kernels/conftest.py), on small, awkward
@@ -28,10 +29,10 @@ import torch
 
 _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA:
-    # Must precede the first import of the kernel module (Triton reads it at @jit time).
+    # Must precede the first import of the kernel modules (Triton reads it at @jit time).
     os.environ["TRITON_INTERPRET"] = "1"
 
-import sglang_kda.kernels.kda_triton as kt  # noqa: E402
+import sglang_kda.kernels.kda.ops as kt  # noqa: E402
 from sglang_kda.kernels.kda_naive import naive_kda_gate, naive_recurrent_kda  # noqa: E402
 
 
@@ -42,7 +43,12 @@ def _is_interpreted(mod) -> bool:
 
 
 if not _HAS_CUDA and not _is_interpreted(kt):
-    # Imported earlier in compiled mode (before TRITON_INTERPRET was set): rebuild the kernels.
+    # Imported earlier in compiled mode (before TRITON_INTERPRET was set): rebuild the kernels,
+    # the shared helpers and every stage module first, then the entry points that import them.
+    import sglang_kda.kernels.kda as _kda  # noqa: E402
+
+    for _stage in ("common", "gate", "intra", "solve", "wy", "state", "output", "decode"):
+        importlib.reload(importlib.import_module(f"{_kda.__name__}.{_stage}"))
     kt = importlib.reload(kt)
 
 DEV = "cuda" if _HAS_CUDA else "cpu"

@@ -11,9 +11,23 @@ only decodes. Checked:
 - a repeated prompt is served from the prefill server's checkpoints with a single server's
   cached-token count (the grid point below its last token: the same counts a single
   ``--kda-policy kda`` server reported for these prompts);
+- a prefill server with a mismatched flag (``--mamba-ssm-dtype``): the decode server refuses it
+  at the request's handshake (``patches/disaggregation_decode.py``), the client's error names
+  the flag, neither server stops or keeps a slot, and the decode server goes on serving the good
+  pair;
+- prefill server killed while a long prompt is prefilled: the client gets an error, the decode
+  server drops the request when its heartbeat finds the prefill server gone (SGLang's
+  ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`` 5 s x ``_MAX_FAILURE`` 2) and frees its slots
+  (its flushed pools are as full as before; the KV pages once SGLang's deferred release gives
+  up on the dead prefill's acknowledgement, 30 s), and serves a new request once a prefill
+  server (the spare, started beside the others) is back;
 - decode server killed while a long prompt is prefilled and sent: the client gets an error, the
   prefill server frees the request's KV and state slots (its flushed pools are as full as
   before, the integrity walk passes) and serves the next request.
+
+Four servers start side by side at the start: the pair, a spare prefill server (same flags) and
+the mismatched one. Each fault test kills one server, so the decode-killed test runs on the
+spare prefill server once the prefill-killed test has killed the first.
 
 The router runs with ``--disable-retries``: with one decode server, its retry re-sends the
 failed request to the dead decode server, and the new prefill half waits for a bootstrap that
@@ -58,6 +72,9 @@ PD_FLAGS = ("--disaggregation-transfer-backend", "mooncake")
 CHUNK = 1024
 LONG_PROMPT = 6000  # tokens: 6 slices on the prefill server, KV sent slice by slice
 FAULT_TIMEOUT_S = 120
+# The mismatched prefill server's flag: its recurrent KDA states in bfloat16 (what FlashInfer's
+# KDA decode asks for on SM100 GPUs) against the decode server's float32 (the model's default).
+MISMATCH = ("--mamba-ssm-dtype", "bfloat16")
 
 
 def _mooncake_or_skip() -> None:
@@ -116,51 +133,88 @@ class PDRouter(Router):
         self._start(cmd, None, 300)
 
 
+class PD:
+    """The servers of this module: the first pair, and two more prefill servers started beside
+    them, each with its own router to the same decode server (:meth:`pair`). Every router starts
+    as soon as its two servers are ready, while earlier tests run."""
+
+    def __init__(self, log_dir, futures: dict, bootstraps: dict) -> None:
+        self.log_dir, self._futures, self._bootstraps = log_dir, futures, bootstraps
+        self._pool = ThreadPoolExecutor(len(bootstraps))
+        self._routers = {name: self._pool.submit(self._router, name) for name in bootstraps}
+
+    def server(self, name: str) -> Server:
+        return self._futures[name].result()
+
+    def _router(self, name: str) -> PDRouter:
+        prefill, decode = self.server(name), self.server("decode")
+        log = self.log_dir / f"router-{name}.log"
+        return PDRouter(prefill, self._bootstraps[name], decode, log)
+
+    def pair(self, name: str) -> tuple[PDRouter, Server, Server]:
+        """(router, prefill server ``name``, decode server)."""
+        return self._routers[name].result(), self.server(name), self.server("decode")
+
+    def live_pair(self) -> tuple[PDRouter, Server, Server]:
+        """The first pair while its prefill server lives, else the spare pair."""
+        return self.pair("prefill" if self.server("prefill").proc.poll() is None else "spare")
+
+    def stop(self) -> None:
+        self._pool.shutdown(wait=True)
+        for f in [*self._routers.values(), *self._futures.values()]:
+            try:
+                f.result().stop()
+            except Exception:  # it did not start; its error was raised where it was needed
+                pass
+
+
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory, tiny_model_dir):
-    """(router, prefill server, decode server), started together; all stopped afterwards."""
+def pd_servers(tmp_path_factory, tiny_model_dir):
+    """A :class:`PD`: four servers started together; all stopped afterwards."""
     _mooncake_or_skip()
     log_dir = tmp_path_factory.mktemp("pd-logs")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sk_harness, "free_port", _port_source())
-        bootstrap = sk_harness.free_port()
         common = ["--model-path", str(tiny_model_dir), "--chunked-prefill-size", str(CHUNK)]
-        prefill_args = [
-            *common, *PD_FLAGS, "--disaggregation-mode", "prefill",
-            "--disaggregation-bootstrap-port", str(bootstrap),
-            "--kda-debug-integrity", "on",
-        ]  # fmt: skip
-        decode_args = [*common, *PD_FLAGS, "--disaggregation-mode", "decode"]
+        bootstraps = {name: sk_harness.free_port() for name in ("prefill", "spare", "mismatched")}
 
-        def start(name: str, args: list[str]) -> Server:
+        def prefill_args(name: str, *extra: str) -> list[str]:
+            return [
+                *common, *PD_FLAGS, "--disaggregation-mode", "prefill",
+                "--disaggregation-bootstrap-port", str(bootstraps[name]),
+                "--kda-debug-integrity", "on", *extra,
+            ]  # fmt: skip
+
+        args = {
+            "prefill": prefill_args("prefill"),
+            "decode": [*common, *PD_FLAGS, "--disaggregation-mode", "decode"],
+            "spare": prefill_args("spare"),
+            "mismatched": prefill_args("mismatched", *MISMATCH),
+        }
+
+        def start(name: str) -> Server:
             return Server(
-                args, log_dir / f"{name}.log", name=name,
+                args[name], log_dir / f"{name}.log", name=name,
                 ready_timeout_s=START_TIMEOUT_S, stop_grace_s=STOP_GRACE_S,
             )  # fmt: skip
 
-        with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(start, "prefill", prefill_args),
-                       pool.submit(start, "decode", decode_args)]  # fmt: skip
-        servers, errors = [], []
-        for f in futures:
-            try:
-                servers.append(f.result())
-            except Exception as e:  # stop the one that did start before failing
-                errors.append(e)
-        router = None
+        pool = ThreadPoolExecutor(len(args))
+        futures = {name: pool.submit(start, name) for name in args}
+        pd = PD(log_dir, futures, bootstraps)
         try:
-            if errors:
-                raise errors[0]
-            prefill, decode = servers
-            router = PDRouter(prefill, bootstrap, decode, log_dir / "router.log")
+            router, prefill, decode = pd.pair("prefill")
             print(f"[pd] prefill {prefill.ready_s:.0f}s, decode {decode.ready_s:.0f}s, "
                   f"router {router.ready_s:.0f}s", flush=True)  # fmt: skip
-            yield router, prefill, decode
+            yield pd
         finally:
-            if router is not None:
-                router.stop()
-            for s in servers:
-                s.stop()
+            pool.shutdown(wait=True)  # every start has ended: stop them all
+            pd.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(pd_servers):
+    """(router, prefill server, decode server): the first pair."""
+    return pd_servers.pair("prefill")
 
 
 def _cache(server: Server) -> dict:
@@ -191,14 +245,9 @@ def test_repeated_prompt_is_served_from_prefill_checkpoints(pd, prompts, referen
     assert _cache(prefill)["integrity"]["ok"]
 
 
-def test_decode_killed_mid_transfer(pd, tiny_model_dir):
-    """Last in the module: it kills the decode server."""
-    router, prefill, decode = pd
-    prefill.flush_cache()
-    before = prefill.kda_report()["occupancy"]
-    from sglang_kda.harness import CorpusTokens
-
-    prompt = CorpusTokens(tiny_model_dir, seed=28).take(LONG_PROMPT)
+def _post_in_background(router: PDRouter, prompt: list[int]) -> tuple[threading.Thread, dict]:
+    """Sends ``prompt`` through ``router`` from a thread; the dict gets ``status`` (or
+    ``error``), ``text`` and ``seconds``."""
     result: dict = {}
 
     def client() -> None:
@@ -209,26 +258,112 @@ def test_decode_killed_mid_transfer(pd, tiny_model_dir):
                 {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
                 timeout=FAULT_TIMEOUT_S,
             )
-            result["status"] = r.status_code
+            result["status"], result["text"] = r.status_code, r.text[:2000]
         except requests.RequestException as e:
             result["error"] = repr(e)
         result["seconds"] = time.monotonic() - t0
 
-    log_start = prefill.log.stat().st_size
     thread = threading.Thread(target=client)
     thread.start()
+    return thread, result
+
+
+def _wait_for_prefill_batches(prefill: Server, log_start: int, n: int) -> None:
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # its prefill is under way (sent chunk by chunk)
         text = prefill.log.read_bytes()[log_start:].decode(errors="replace")
         # slices may be shorter than CHUNK (--kda-max-round-ms bounds a lone prefill's rounds)
-        if text.count("Prefill batch") >= 2:
-            break
+        if text.count("Prefill batch") >= n:
+            return
         time.sleep(0.05)
-    else:
-        pytest.fail(f"the long prompt's prefill did not start:\n{prefill.tail()}")
+    pytest.fail(f"the long prompt's prefill did not start:\n{prefill.tail()}")
+
+
+def _long_prompt(tiny_model_dir, seed: int) -> list[int]:
+    from sglang_kda.harness import CorpusTokens
+
+    return CorpusTokens(tiny_model_dir, seed=seed).take(LONG_PROMPT)
+
+
+def _flushed_occupancy(server: Server) -> tuple[dict, float]:
+    """(occupancy once ``/flush_cache`` is accepted, seconds it took): SGLang refuses the flush
+    while any request still holds anything, on a decode server too (its PD queues)."""
+    t0 = time.monotonic()
+    server.flush_cache(timeout_s=FAULT_TIMEOUT_S)
+    return server.kda_report()["occupancy"], time.monotonic() - t0
+
+
+def test_mismatched_prefill_is_refused_naming_the_flag(pd_servers, prompts):
+    router, prefill, decode = pd_servers.pair("mismatched")
+    decode_before, _ = _flushed_occupancy(decode)
+    prefill_before, _ = _flushed_occupancy(prefill)
+    log_start = decode.log.stat().st_size
+    thread, result = _post_in_background(router, prompts[0])
+    thread.join(FAULT_TIMEOUT_S + 10)
+    print(f"[pd] mismatched prefill: client {result}", flush=True)
+    assert result.get("status", 200) >= 400, result  # an error, not a hang or a success
+    assert result["seconds"] < 30, result
+    assert f"{MISMATCH[0]}: prefill 'bfloat16', decode 'float32'" in result["text"], result
+    log = decode.log.read_bytes()[log_start:].decode(errors="replace")
+    assert "differ on flags that must agree" in log and MISMATCH[0] in log, decode.tail()
+
+    # Neither server stopped, neither keeps a slot, and the decode server serves the good pair.
+    assert prefill.proc.poll() is None and decode.proc.poll() is None
+    assert _flushed_occupancy(decode)[0] == decode_before
+    assert _flushed_occupancy(prefill)[0] == prefill_before
+    assert prefill.get("/health_generate", timeout=120).status_code == 200
+    good_router = pd_servers.pair("prefill")[0]
+    assert len(generate(good_router, prompts[1])["output_ids"]) == NEW_TOKENS
+    # Refused again on the next request (the verdict is kept per prefill server).
+    thread, result = _post_in_background(router, prompts[2])
+    thread.join(FAULT_TIMEOUT_S + 10)
+    assert result.get("status", 200) >= 400 and MISMATCH[0] in result.get("text", ""), result
+    router.stop()
+    prefill.stop()  # its cores back to the others
+
+
+def test_prefill_killed_mid_prefill(pd_servers, prompts, reference, tiny_model_dir):
+    """Kills the first pair's prefill server; the spare one takes its place afterwards."""
+    router, prefill, decode = pd_servers.pair("prefill")
+    before, _ = _flushed_occupancy(decode)
+    log_start = prefill.log.stat().st_size
+    thread, result = _post_in_background(router, _long_prompt(tiny_model_dir, seed=29))
+    _wait_for_prefill_batches(prefill, log_start, 1)
+    t_kill = time.monotonic()
+    os.killpg(prefill.proc.pid, signal.SIGKILL)
+    thread.join(FAULT_TIMEOUT_S + 10)
+    prefill.stop()
+    assert result.get("status") != 200 and result, result  # an error, not a hang or a success
+    assert result["seconds"] < 60, result
+
+    after, freed_s = _flushed_occupancy(decode)
+    freed_after_kill_s = time.monotonic() - t_kill
+    print(f"[pd] prefill killed mid-prefill: client {result.get('status')} "
+          f"{result.get('error', '')} after {result['seconds']:.1f}s; decode freed "
+          f"{freed_after_kill_s:.1f}s after the kill", flush=True)  # fmt: skip
+    assert after == before, "the decode server did not free the request's slots"
+    assert freed_after_kill_s < 60
+    assert decode.get("/health_generate", timeout=120).status_code == 200  # its decode path
+
+    # A prefill server is back: the decode server serves through it.
+    spare_router, _, _ = pd_servers.pair("spare")
+    out = generate(spare_router, prompts[0])
+    assert_matches_reference(out, reference[0], "prompt 0 through the spare prefill server")
+
+
+def test_decode_killed_mid_transfer(pd_servers, tiny_model_dir):
+    """Last in the module: it kills the decode server."""
+    router, prefill, decode = pd_servers.live_pair()
+    prefill.flush_cache()
+    before = prefill.kda_report()["occupancy"]
+    prompt = _long_prompt(tiny_model_dir, seed=28)
+    log_start = prefill.log.stat().st_size
+    thread, result = _post_in_background(router, prompt)
+    _wait_for_prefill_batches(prefill, log_start, 2)
     os.killpg(decode.proc.pid, signal.SIGKILL)
     thread.join(FAULT_TIMEOUT_S + 10)
     decode.stop()
+    result.pop("text", None)
     print(f"[pd] decode killed mid-transfer: client {result}", flush=True)
     assert result.get("status") != 200 and result, result  # an error, not a hang or a success
     assert result["seconds"] < 60, result

@@ -2,7 +2,7 @@
 
 The server starts with ``--kda-kernel triton`` and ``TRITON_INTERPRET=1`` in its environment
 (passed explicitly: :class:`sglang_kda.harness.Server` scrubs an inherited one), so every KDA
-extend and decode of the tiny model runs ``kernels/kda_triton.py`` in Triton's interpreter, with
+extend and decode of the tiny model runs ``kernels/kda/`` in Triton's interpreter, with
 the same adapter, capture and checkpoint insertion a CUDA server runs. It runs in the state
 cache configurations of :data:`CONFIGS`: what GPUs serve with (``extra_buffer``: the overlap
 scheduler on, page size 1 and 64; on CPU through :mod:`sglang_kda.cpu.platform`) and the CPU

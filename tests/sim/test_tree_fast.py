@@ -16,6 +16,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_kda.cache import eviction
+from sglang_kda.cache.eviction import Bonus
 from sglang_kda.sim.tree import RadixTree
 
 _spec = importlib.util.spec_from_file_location(
@@ -60,6 +62,14 @@ def seq(fam: int, n: int) -> list[int]:
     return base[:n]
 
 
+BONUSES = [
+    Bonus(),
+    Bonus(end=0.5, above_end=0.5),  # the default (eviction.BONUS)
+    Bonus(end=5.0),  # strict: branch ends after every other state
+    Bonus(end=0.25, above_end=0.75, fork=0.5),
+    Bonus(fork=5.0),
+]
+
 ops = st.lists(
     st.one_of(
         st.tuples(
@@ -86,8 +96,19 @@ ops = st.lists(
     cap_t=st.one_of(st.none(), st.integers(0, 200)),
     alpha=st.sampled_from([None, 0.0, 0.5, 1.0, 3.0]),
     nbytes=st.sampled_from([1, 7]),
+    bonus=st.sampled_from(BONUSES),
 )
-def test_same_victims_as_the_walk(ops, cap_c, cap_t, alpha, nbytes):
+def test_same_victims_as_the_walk(ops, cap_c, cap_t, alpha, nbytes, bonus):
+    """Every bonus (eviction.BONUS: branch ends, the state above one, forks), soft or strict:
+    the index keys checkpoints by what sets their bonus, so it must follow every change of it."""
+    saved, eviction.BONUS = eviction.BONUS, bonus
+    try:
+        _same_victims(ops, cap_c, cap_t, alpha, nbytes)
+    finally:
+        eviction.BONUS = saved
+
+
+def _same_victims(ops, cap_c, cap_t, alpha, nbytes):
     kw = dict(max_checkpoints=cap_c, max_tokens=cap_t, alpha=alpha, state_nbytes=nbytes)
     a, b = RadixTree(**kw), ref.RadixTree(**kw)
     held = []  # (node in a, node in b)
@@ -133,22 +154,31 @@ def test_long_chain_rule_matches_the_walk():
     import random
 
     rng = random.Random(0)
-    for alpha in (None, 1.0, 0.25):
-        a = RadixTree(max_checkpoints=40, max_tokens=6000, alpha=alpha)
-        b = ref.RadixTree(max_checkpoints=40, max_tokens=6000, alpha=alpha)
-        for _ in range(300):
-            fam = rng.randrange(12)
-            n = rng.randrange(64, 900)
-            ids = [fam % 4] * 200 + [fam * 1000 + i for i in range(800)]
-            ids = ids[:n]
-            marks = list(range(64, n + 1, 64))
-            if rng.random() < 0.5:
-                a.match(ids)
-                b.match(ids)
-            assert a.insert(ids, marks) == b.insert(ids, marks)
-            assert snapshot(a) == snapshot(b)
-            check_index(a)
-        a.integrity()
+    for alpha, bonus in ((None, Bonus()), (1.0, Bonus()), (0.25, Bonus()), (1.0, BONUSES[1]),
+                         (1.0, BONUSES[3])):  # fmt: skip
+        saved, eviction.BONUS = eviction.BONUS, bonus
+        try:
+            _long_chain(rng, alpha)
+        finally:
+            eviction.BONUS = saved
+
+
+def _long_chain(rng, alpha):
+    a = RadixTree(max_checkpoints=40, max_tokens=6000, alpha=alpha)
+    b = ref.RadixTree(max_checkpoints=40, max_tokens=6000, alpha=alpha)
+    for _ in range(300):
+        fam = rng.randrange(12)
+        n = rng.randrange(64, 900)
+        ids = [fam % 4] * 200 + [fam * 1000 + i for i in range(800)]
+        ids = ids[:n]
+        marks = list(range(64, n + 1, 64))
+        if rng.random() < 0.5:
+            a.match(ids)
+            b.match(ids)
+        assert a.insert(ids, marks) == b.insert(ids, marks)
+        assert snapshot(a) == snapshot(b)
+        check_index(a)
+    a.integrity()
 
 
 def test_recency_falls_when_the_most_recent_leaf_goes():

@@ -35,8 +35,8 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
 
 Recency is a logical clock (one tick per operation), so runs are deterministic.
 
-(Changed since that commit: the rule's candidates carry their heirs, counted over every
-checkpoint, so the reference evicts branch ends last as the rule now does.)
+(Changed since that commit: the rule's candidates carry their heirs and branch-end heirs,
+counted over every checkpoint, so the reference scores ``eviction.BONUS`` as the rule does.)
 """
 
 from __future__ import annotations
@@ -385,11 +385,12 @@ class RadixTree:
 
     def _evict_by_rule(self, n: int) -> int:
         """Drop up to ``n`` unlocked checkpoints chosen by ``eviction.pick_victims``."""
-        cands, by_id, heirs = [], {}, {}
+        cands, by_id, heirs, anc_of = [], {}, {}, {}
         stack = [(self.root, None)]  # (node, nearest checkpointed ancestor)
         while stack:
             node, anc = stack.pop()
             if node.checkpoint:
+                anc_of[node.serial] = anc
                 if anc is not None:  # heirs over every checkpoint, locked or not (branch ends)
                     heirs[anc.serial] = heirs.get(anc.serial, 0) + 1
                 if node.lock_own == 0:
@@ -408,7 +409,14 @@ class RadixTree:
                 anc = node
             # insertion order (deterministic): the candidates' order for exact ties
             stack.extend((c, anc) for c in reversed(list(node.children.values())))
-        cands = [replace(c, heirs=heirs.get(c.node_id, 0)) for c in cands]
+        ends = {}  # branch-end heirs, over every checkpoint too
+        for nid, a in anc_of.items():
+            if a is not None and nid not in heirs:
+                ends[a.serial] = ends.get(a.serial, 0) + 1
+        cands = [
+            replace(c, heirs=heirs.get(c.node_id, 0), end_heirs=ends.get(c.node_id, 0))
+            for c in cands
+        ]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
             node = by_id[nid]
