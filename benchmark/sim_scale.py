@@ -267,6 +267,7 @@ def exp_cuts(args) -> None:
                 page_size=PAGE,
                 aligned_cuts=aligned,
                 exact_cuts=not aligned,
+                budget=None,  # cuts alone (--kda-budget off), as when this was measured
                 checkpoint_every=every or CHUNK_ENDS_ONLY,
                 max_checkpoints=plan["checkpoints"],
                 max_tokens=plan["kv_tokens"],
@@ -349,6 +350,7 @@ def exp_agents(args) -> None:
             chunked_prefill_size=16384,
             page_size=PAGE,
             checkpoint_every=args.agent_every if policy == "kda" else 0,
+            budget=None,  # the cache alone (--kda-budget off), as when this was measured
             max_checkpoints=plan["checkpoints"],
             max_tokens=plan["kv_tokens"],
             max_running_requests=256,

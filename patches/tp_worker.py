@@ -9,7 +9,7 @@ Why: on the CPU engine every PyTorch operator runs over all of the rank's OpenMP
     scheduler's samples in libgomp's barrier under ``F.linear`` and the KDA kernel), and it
     grows without bound when another process holds a core (a barrier waits for a descheduled
     thread: 30-150x slower per operator in a measurement on the 2-core box).
-How: :func:`sglang_kda.perf_threads.run_step` runs the call under a
+How: :func:`sglang_kda.steps.run_step` runs the call under a
     :class:`~sglang_kda.perf_threads.ThreadPolicy` (built per worker, logged once): it estimates
     the step's dense arithmetic from the batch (2 x parameters x new tokens) and runs the call on
     one thread below ``SGLANG_KDA_PARALLEL_MIN_GFLOP`` (default 2; 0 turns the rule off), else on
@@ -49,7 +49,7 @@ def _hands_over(ctx) -> bool:
 
 def apply(ctx) -> None:
     from sglang_kda.kda_adapter import hand_over
-    from sglang_kda.perf_threads import run_step
+    from sglang_kda.steps import run_step
     from sglang_kda.steps import TRACE_ENV
 
     cls = importlib.import_module(UPSTREAM).TpModelWorker

@@ -16,8 +16,8 @@ the cached context is deliberately not counted: a 64-token slice deep into a lon
 large attention operator but still hundreds of tiny ones, and running the whole step on two
 threads made it worse, not better (64k-token prompt at chunk 64, threshold on total FLOPs: rounds
 past 24k of context went from ~45 ms on one thread to ~270 ms on two while other processes ran).
-Nothing here touches SGLang; ``patches/tp_worker.py`` wires :func:`run_step` around each
-forward.
+Nothing here touches SGLang; ``patches/tp_worker.py`` wires
+:func:`sglang_kda.steps.run_step` around each forward.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 MIN_GFLOP_ENV = "SGLANG_KDA_PARALLEL_MIN_GFLOP"
@@ -154,24 +153,3 @@ class ThreadPolicy:
             yield n
         finally:
             torch.set_num_threads(self.max_threads)
-
-
-def run_step(
-    worker: Any, batch: Any, forward: Callable, trace: Optional[str], *args: Any, **kwargs: Any
-) -> Any:
-    """``forward(worker, batch, ...)`` (one forward step of an SGLang ``TpModelWorker``) on the
-    threads :meth:`ThreadPolicy.of_worker` picks for the batch's shape
-    (:func:`sglang_kda.steps.step_lens`); with ``trace`` (``SGLANG_KDA_STEP_TRACE``) a row of the
-    step is appended to that file (:func:`sglang_kda.steps.write_step`), failed steps too."""
-    from sglang_kda import steps
-
-    pol = ThreadPolicy.of_worker(worker)
-    t0 = time.perf_counter() if trace else 0.0
-    try:
-        if pol.max_threads <= 1:  # one thread either way: no shape to read
-            return forward(worker, batch, *args, **kwargs)
-        with pol.step(steps.step_lens(batch)):
-            return forward(worker, batch, *args, **kwargs)
-    finally:
-        if trace:
-            steps.write_step(trace, batch, t0, time.perf_counter())

@@ -6,7 +6,7 @@ way, or the model is fitted on one definition and predicts with another. This mo
 one definition, in plain Python (no SGLang import).
 
 A step row (one JSON object per line of the trace file, appended by
-:func:`sglang_kda.perf_threads.run_step`, which ``patches/tp_worker.py`` wires around each
+:func:`run_step`, which ``patches/tp_worker.py`` wires around each
 forward, when ``SGLANG_KDA_STEP_TRACE=FILE`` is set)::
 
     {"t0": 48079.11, "t1": 48079.13, "mode": "EXTEND", "ext": [20, 64], "pre": [0, 128]}
@@ -32,10 +32,11 @@ generated tokens).
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
-from sglang_kda.perf_threads import StepShape
+from sglang_kda.perf_threads import StepShape, ThreadPolicy
 from sglang_kda.policy.cost_model import BatchShape, Slice
 
 TRACE_ENV = "SGLANG_KDA_STEP_TRACE"
@@ -122,3 +123,22 @@ def batch_shape(batch: Any) -> BatchShape | None:
     row's (:func:`row_shape`); None when the batch's lengths cannot be read."""
     row = step_row(batch, 0.0, 0.0)
     return row_shape(row) if "ext" in row else None
+
+
+def run_step(
+    worker: Any, batch: Any, forward: Callable, trace: Optional[str], *args: Any, **kwargs: Any
+) -> Any:
+    """``forward(worker, batch, ...)`` (one forward step of an SGLang ``TpModelWorker``) on the
+    threads :meth:`ThreadPolicy.of_worker` picks for the batch's shape
+    (:func:`step_lens`); with ``trace`` (``SGLANG_KDA_STEP_TRACE``) a row of the
+    step is appended to that file (:func:`write_step`), failed steps too."""
+    pol = ThreadPolicy.of_worker(worker)
+    t0 = time.perf_counter() if trace else 0.0
+    try:
+        if pol.max_threads <= 1:  # one thread either way: no shape to read
+            return forward(worker, batch, *args, **kwargs)
+        with pol.step(step_lens(batch)):
+            return forward(worker, batch, *args, **kwargs)
+    finally:
+        if trace:
+            write_step(trace, batch, t0, time.perf_counter())

@@ -424,8 +424,9 @@ def test_requests_arriving_together_enter_one_after_another():
     alone and the others share the next (as the CPU server does); without a gap all four share
     the first round. Entries keep the fixed ingress delay on top."""
     tr = T.Trace([T.TraceRequest(f"r{i}", 2, t=0.0, segments=((f"r{i}", 64),)) for i in range(4)])
-    together = run(tr, policy="kda", ingress_s=0.01)
-    spread = run(tr, policy="kda", ingress_s=0.01, ingress_gap_s=0.0005)
+    # the token budgets (--kda-budget off): the serial budget would split the later rounds
+    together = run(tr, policy="kda", ingress_s=0.01, budget=None)
+    spread = run(tr, policy="kda", ingress_s=0.01, ingress_gap_s=0.0005, budget=None)
     for res in (together, spread):
         check_invariants(res, tr)
     first = [len(r.slices) for r in together.ranks[0].rounds if r.slices]
@@ -436,3 +437,24 @@ def test_requests_arriving_together_enter_one_after_another():
     assert all(r.arrival == 0.0 for r in spread.requests)  # arrival is the client's send
     with pytest.raises(ValueError):
         SimConfig(ingress_gap_s=-1.0)
+
+
+def test_the_default_simulated_server_is_the_default_server():
+    """``SimConfig`` takes its kda settings from the flag registry: with nothing set, the serial
+    budget is the one the server builds from ``KDAConfig()`` at the same page and chunk sizes,
+    and the twins, eviction and spacing flags are the server's defaults."""
+    from sglang_kda.config import KDAConfig, budget_config
+
+    kc = KDAConfig()
+    for page, chunk in ((1, 4096), (64, 8192)):
+        cfg = SimConfig(policy="kda", page_size=page, chunked_prefill_size=chunk)
+        assert cfg.budget == budget_config(kc, page, chunk)
+        assert SimConfig(policy="stock", page_size=page).budget is None  # auto: off under stock
+        flags = SimConfig.from_flags(page_size=page, chunked_prefill_size=chunk)
+        assert flags.budget == cfg.budget and flags.policy == "kda"
+        assert flags.twins == (kc.twins == "on") and flags.eviction == kc.eviction
+        assert flags.spacing == kc.checkpoint_every_tokens(page)
+    off = SimConfig.from_flags(KDAConfig(budget="off", twins="off", eviction="lru"))
+    assert off.budget is None and not off.twins and off.alpha is None
+    assert SimConfig.from_flags(KDAConfig(policy="stock")).policy == "stock"
+    assert SimConfig(policy="kda", budget=None).budget is None  # --kda-budget off

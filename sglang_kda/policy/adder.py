@@ -38,9 +38,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
-from sglang_kda.policy.admission import Leader, twin_gain
-from sglang_kda.policy.grid import aligned_chunk_len, checkpoint_grid
-from sglang_kda.policy.round import make_room
+# Called through their modules, so a test that changes a rule sees it in both hosts.
+from sglang_kda.policy import admission as admission_mod
+from sglang_kda.policy import grid as grid_mod
+from sglang_kda.policy import round as round_mod
+from sglang_kda.policy.admission import Leader
 
 
 @dataclass
@@ -64,7 +66,7 @@ class AdderRound:
 
     def cut(self, prefix_len: int, budget: int, remaining: int) -> int:
         """The chunk length ending on the grid (see the module docstring), recorded."""
-        taken = aligned_chunk_len(prefix_len, budget, remaining, self.grid)
+        taken = grid_mod.aligned_chunk_len(prefix_len, budget, remaining, self.grid)
         self.cuts.append((prefix_len, budget, remaining, taken))
         return taken
 
@@ -80,7 +82,7 @@ class AdderRound:
     ) -> Optional[int]:
         """The most tokens the in-flight chunked request takes this round so that short waiting
         requests enter beside it (``None``: no limit; counted when room was made)."""
-        room = make_room(
+        room = round_mod.make_room(
             budget,
             done,
             remaining,
@@ -128,7 +130,8 @@ class AdderRound:
         if not (self.twins_wait and leaders):
             return False
         # checkpoints sit every ``every`` tokens: a twin waits only for one it can reach
-        if not twin_gain(ids, prefix_len, max_prefix, leaders, self.every or self.grid):
+        spacing = self.every or self.grid
+        if not admission_mod.twin_gain(ids, prefix_len, max_prefix, leaders, spacing):
             return False
         self.counts["twin_waits"] += 1
         self.twin_waiting = True
@@ -153,7 +156,7 @@ class AdderRound:
 
 def adder_grid(page_size: int, hybrid_ssm: bool) -> int:
     """The checkpoint grid when the tree cache holds KDA/mamba states, else 1."""
-    return checkpoint_grid(page_size) if hybrid_ssm else 1
+    return grid_mod.checkpoint_grid(page_size) if hybrid_ssm else 1
 
 
 class PassBook:

@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--eviction", default="marconi", help="--kda-eviction: marconi, lru or alpha >= 0"
     )
+    ap.add_argument(
+        "--budget",
+        choices=("server", "off"),
+        default="server",
+        help="kda: the serial budget the server runs by default (server) or --kda-budget off",
+    )
     args = ap.parse_args(argv)
     if bool(args.trace) == bool(args.generate):
         ap.error("give a trace file or --generate")
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_every=args.checkpoint_every,
             max_checkpoints=args.max_checkpoints,
             eviction=args.eviction,
+            budget="server" if args.budget == "server" else None,
             **timing,
         )
         res = simulate(tr, cfg, cost, dp=args.dp, router=args.router)

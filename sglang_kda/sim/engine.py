@@ -3,11 +3,13 @@
 What runs is the project's own policy code; what is replaced is only the model forward (a cost
 model, :mod:`sglang_kda.sim.costs`) and the clock:
 
-* cuts: :func:`sglang_kda.policy.grid.aligned_chunk_len` (``kda``) or SGLang's page-aligned
-  truncation (``stock``);
-* twins: :func:`sglang_kda.policy.admission.twin_gain` (``kda``, ``twins=True``); a follower
-  that waits is skipped and the round goes on admitting the requests behind it (the server's
-  ``add_one_req`` returns ``CONTINUE`` for it, consuming no budget; it stays in the queue);
+* the admission pass: the server's :class:`sglang_kda.policy.adder.AdderRound`, one per round,
+  asked at the same steps as the server's ``PrefillAdder`` asks it: the in-flight request's room
+  (``make_room``), grid cuts (``kda``; ``stock``: SGLang's page-aligned truncation), one
+  unfinished chunked request per round, twins at the checkpoint spacing (``kda``,
+  ``twins=True``: a follower that waits is skipped and the round goes on admitting the requests
+  behind it, as the server's ``add_one_req`` returns ``CONTINUE`` for it, consuming no budget;
+  it stays in the queue); its counters land in :attr:`Rank.counts` under the server's names;
 * the cache: :class:`sglang_kda.cache.tree.RadixTree` (match = deepest checkpoint at most
   ``len - 1`` deep, locks, checkpoint cap); which checkpoints go is the server's
   ``--kda-eviction`` rule (:mod:`sglang_kda.cache.eviction`, ``SimConfig.eviction``), applied
@@ -49,16 +51,17 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sglang_kda.cache import eviction as eviction_mod
+from sglang_kda.config import KDAConfig, budget_config
 from sglang_kda.sim.tree import RadixTree
 
 # Policy modules are called through their module objects, so the simulator always runs what
 # the modules hold (a test that changes a policy function sees the change in simulated results).
-from sglang_kda.policy import admission as admission_mod
-from sglang_kda.policy import budget as budget_mod
+from sglang_kda.policy import adder as adder_mod
 from sglang_kda.policy import grid as grid_mod
 from sglang_kda.policy import round as round_mod
 from sglang_kda.policy.admission import Leader
@@ -86,7 +89,11 @@ class SimConfig:
         hypothetical scheduler cutting at arbitrary token counts; its off-page chunk ends
         cannot be stored in the paged tree).
     enable_mixed_chunk: stock: decode rides along every prefill round (``--enable-mixed-chunk``).
-    budget: ``kda`` serial-aware budget (``None``: token budget as above).
+    budget: ``kda`` serial-aware budget: ``"server"`` (the default) is what the server runs at
+        these page and chunk sizes with the default flags (``--kda-budget auto``:
+        :func:`sglang_kda.config.budget_config` of :class:`sglang_kda.config.KDAConfig`, none
+        under ``stock``); ``None``: off, the token budgets above (``--kda-budget off``); or a
+        :class:`~sglang_kda.policy.budget.BudgetConfig`.
     max_checkpoints / max_tokens: tree caps (``--kda-checkpoint-pool-size`` / KV pool).
     eviction: which checkpoints the cap sheds (``--kda-eviction``, parsed by
         :func:`sglang_kda.cache.eviction.parse_eviction`): ``marconi`` (recency + serial work
@@ -126,7 +133,7 @@ class SimConfig:
     aligned_cuts: Optional[bool] = None
     exact_cuts: bool = False
     enable_mixed_chunk: bool = False
-    budget: Optional[budget_mod.BudgetConfig] = None
+    budget: object = "server"
     max_checkpoints: Optional[int] = None
     max_tokens: Optional[int] = None
     ingress_s: float = 0.0
@@ -142,6 +149,13 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
+        if self.budget == "server":
+            flags = KDAConfig(policy=self.policy)
+            self.budget = (
+                budget_config(flags, self.page_size, self.chunked_prefill_size)
+                if flags.budget_on
+                else None
+            )
         self.grid = grid_mod.checkpoint_grid(self.page_size)
         # the server's one spacing rule (GridError, a ValueError, names both flags)
         self.spacing = grid_mod.checkpoint_spacing(self.checkpoint_every, self.page_size)
@@ -164,6 +178,28 @@ class SimConfig:
     @property
     def kda(self) -> bool:
         return self.policy == "kda"
+
+    @classmethod
+    def from_flags(cls, flags: Optional[KDAConfig] = None, **server: object) -> "SimConfig":
+        """The simulated scheduler of a server started with these ``--kda-*`` flags (default:
+        none given) and SGLang settings (``server``: ``chunked_prefill_size``, ``page_size``,
+        ``max_prefill_tokens``, ``max_running_requests``, ``enable_mixed_chunk``, the tree caps,
+        and simulator-only settings such as ``ingress_s``). A ``checkpoint_every`` given here
+        stands for the spacing the launcher resolved (on CUDA, memory parity) in place of the
+        flag's 0."""
+        kc = flags if flags is not None else KDAConfig()
+        page = int(server.get("page_size", 1))
+        chunk = int(server.get("chunked_prefill_size", 8192))
+        values: dict = dict(
+            policy=kc.policy,
+            checkpoint_every=kc.checkpoint_every,
+            twins=kc.twins == "on",
+            eviction=kc.eviction,
+            budget=budget_config(kc, page, chunk) if kc.budget_on else None,
+            max_checkpoints=kc.checkpoint_pool_size or None,
+        )
+        values.update(server)
+        return cls(**values)
 
 
 @dataclass(eq=False)  # identity: a request is itself (and its ids may be 1M tokens)
@@ -232,14 +268,35 @@ class Rank:
         self.planner = round_mod.RoundPlanner(cfg.budget) if cfg.kda and cfg.budget else None
         self.last_decision = None
         self.infeasible: list[str] = []
-        self.twin_waits = 0
-        self.rounds_made_room = 0  # rounds the in-flight chunked request gave way in
-        self.passed_over = 0  # admissions passed over while a chunked request was in flight
+        # what the admission passes counted (sglang_kda.policy.adder.AdderRound.counts: the
+        # server's /server_info counters of the same names)
+        self.counts: Counter = Counter()
         self.wake = True  # nothing has run yet: the first round is a wake-up too
-        self.admitted_past_waiting_twin = 0
         self.out_counter = 0
         self.on_finish: Callable[[SimReq], None] = lambda r: None
         self.rng = random.Random(f"{cfg.seed}:{rank_id}")
+        # set by a replay (sglang_kda.sim.replay): the planner's inputs the server measured
+        # (error, overhead, slow) and a round's measured time in place of the cost model's
+        self.plan_inputs: dict = {}
+        self.clock: Optional[Callable] = None
+
+    @property
+    def twin_waits(self) -> int:
+        return self.counts["twin_waits"]
+
+    @property
+    def rounds_made_room(self) -> int:
+        """Rounds the in-flight chunked request gave way in."""
+        return self.counts["rounds_made_room"]
+
+    @property
+    def passed_over(self) -> int:
+        """Admissions passed over while a chunked request was in flight."""
+        return self.counts["passed_over_while_chunked"]
+
+    @property
+    def admitted_past_waiting_twin(self) -> int:
+        return self.counts["admitted_past_waiting_twin"]
 
     @property
     def book(self):
@@ -269,9 +326,11 @@ class Rank:
                 self.infeasible.append(r.rid)
 
     # -- cuts ---------------------------------------------------------------------------------
-    def _cut(self, prefix: int, budget: int, remaining: int) -> int:
+    def _cut(self, st, prefix: int, budget: int, remaining: int) -> int:
         cfg = self.cfg
         if cfg.aligned_cuts:
+            if st.grid > 1:  # the admission pass's cut (kda)
+                return st.cut(prefix, budget, remaining)
             return grid_mod.aligned_chunk_len(prefix, budget, remaining, cfg.grid)
         take = min(budget, remaining)
         if take < remaining and cfg.page_size > 1 and not cfg.exact_cuts:
@@ -304,14 +363,17 @@ class Rank:
         mode = ""
         paced = False
         if self.planner is not None:
-            queue = [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
-            queue += [(r.rid, r.prefix) for r in self.waiting]
+            # the server's view of the queue (wiring.budget.round_queue): waiting requests in
+            # queue order, then the in-flight one
+            queue = [(r.rid, r.prefix) for r in self.waiting]
+            queue += [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
             dec = self.planner.decide(
                 self.cost,
                 self.now,
                 decode_ctx,
                 queue,
                 inflight=self.chunked.rid if self.chunked else None,
+                **self.plan_inputs,
             )
             self.last_decision = dec
             if dec is not None:
@@ -325,11 +387,16 @@ class Rank:
         if mix and decode_ctx:
             chunk_budget = max(1, chunk_budget - (len(decode_ctx) if not cfg.kda else 0))
 
+        # The admission pass is the server's (sglang_kda.policy.adder.AdderRound); only the
+        # loop around it and the budgets are the simulator's model of SGLang's.
+        st = adder_mod.AdderRound(
+            cfg.grid if cfg.kda else 1, twins=cfg.twins, every=cfg.spacing if cfg.kda else 0
+        )
         slices: list[tuple[SimReq, int, int]] = []  # (req, start, end)
         rem_chunk = chunk_budget
         rem_input = cfg.max_prefill_tokens - (len(decode_ctx) if mix else 0)
         closed = paced  # nothing more is admitted
-        inflight_cut = paced  # the round holds an unfinished chunked request
+        st.round_chunked = paced  # the round holds an unfinished chunked request
         n_run = len(self.running)
         if self.chunked is not None and not paced:
             r = self.chunked
@@ -342,67 +409,66 @@ class Rank:
             remaining = len(r.ids) - r.prefix
             limit = max(1, rem_chunk)
             if cfg.kda:  # short waiting requests enter beside it (the server's make_room)
-                room = round_mod.make_room(
+                room = st.inflight_limit(
                     limit,
                     r.prefix,
                     remaining,
                     [self._work(w) for w in self.waiting],
-                    cfg.grid,
                     cfg.page_size,
                     keep=keep,
                     cap=cap,
                 )
-                if room.limit is not None:
-                    limit = room.limit
-                    self.rounds_made_room += bool(room.admitted)
-            take = self._cut(r.prefix, limit, remaining)
+                if room is not None:
+                    limit = room
+            st.prefix_len = r.prefix
+            take = self._cut(st, r.prefix, limit, remaining)
             slices.append((r, r.prefix, r.prefix + take))
             rem_chunk -= take
             rem_input -= take
             n_run += 1
             if take < remaining:
-                inflight_cut = True
+                st.round_chunked = True
                 closed = not cfg.kda  # stock: the chunk took the round's whole budget
         leaders: list[Leader] = [Leader(r.ids, s, e) for r, s, e in slices]
-        admitted: list[SimReq] = []
         skipped: list[SimReq] = []  # twins waiting for a leader: they stay in the queue
         while self.waiting and not closed:
             if rem_chunk <= 0 or n_run >= cfg.max_running_requests:
                 break
             r = self.waiting[0]
             m = self.tree.match(r.ids, self._limit(r))
-            if cfg.kda and cfg.twins and leaders:
-                if admission_mod.twin_gain(r.ids, m.length, self._limit(r), leaders, cfg.grid):
-                    # The server's add_one_req returns CONTINUE: no budget spent, next request.
-                    self.twin_waits += 1
-                    skipped.append(self.waiting.pop(0))
-                    continue
+            # the server matches every request its loop reaches (init_next_round_input), and a
+            # request turned down keeps that prefix: the budget's next plan sees it
+            r.prefix = m.length
+            if st.twin_waits(r.ids, m.length, self._limit(r), leaders):
+                # The server's add_one_req returns CONTINUE: no budget spent, next request.
+                skipped.append(self.waiting.pop(0))
+                continue
             extend = len(r.ids) - m.length
-            if inflight_cut and extend > rem_chunk:
+            if extend > rem_chunk and st.refuse_cut(r):
                 # It would need cutting, and the round already holds an unfinished chunked
                 # request: passed over (the server's CONTINUE); requests behind it may enter.
-                self.passed_over += 1
+                st.was_refused(r)
                 skipped.append(self.waiting.pop(0))
                 continue
             if extend > rem_input and slices:
                 break
             self.waiting.pop(0)
-            if skipped:
-                self.admitted_past_waiting_twin += 1
-            admitted.append(r)
+            st.admitted(len(slices), len(slices) + 1)
+            st.checkpoint_admission(m.length)
             r.prefix = m.length
             r.cached_admission = m.length
             r.kv_recomputed = m.kv_length - m.length
             r.state = "prefill"
             self._relock(r, m.node)
-            take = self._cut(r.prefix, rem_chunk, extend) if extend > rem_chunk else extend
+            take = self._cut(st, r.prefix, rem_chunk, extend) if extend > rem_chunk else extend
             slices.append((r, r.prefix, r.prefix + take))
             leaders.append(Leader(r.ids, r.prefix, r.prefix + take))
             rem_chunk -= take
             rem_input -= take
             n_run += 1
             if take < extend:
-                closed = inflight_cut = True
+                closed = st.round_chunked = True
+        self.counts.update(st.drain()[0])
         self.waiting[:0] = skipped  # the skipped twins keep their places at the queue's head
 
         if not slices and not self.running:
@@ -410,7 +476,10 @@ class Rank:
         run_decode = not slices or mix
         dec = list(self.running) if run_decode else []
         shape = BatchShape(tuple(r.ctx for r in dec), tuple(Slice(s, e - s) for _, s, e in slices))
-        dt = self.cost.predict(shape)
+        if self.clock is not None:  # a replayed round: its measured time
+            dt = self.clock(shape)
+        else:
+            dt = self.cost.predict(shape)
         if cfg.round_jitter:
             dt *= self.rng.choice(cfg.round_jitter)
         if self.wake:
@@ -421,6 +490,8 @@ class Rank:
         start, end = self.now, self.now + dt
         self.now = end
         self.n_rounds += 1
+        if self.planner is not None:  # as the server's step_ran: a shared round that overshot
+            self.planner.observed(dt, bool(slices), bool(dec))
         if self.rounds is not None:
             self.rounds.append(
                 RoundRecord(
