@@ -5,7 +5,7 @@ Every patch module carries its ledger in its own docstring (``Upstream:``, ``Why
 
 * ``UPSTREAM``: the dotted name of the SGLang module it patches;
 * ``TARGETS``: the attributes of ``UPSTREAM`` that ``apply`` rebinds (``Class.method`` or a
-  module global), checked against the pinned SGLang by ``tests/test_patches.py``;
+  module global), checked against the pinned SGLang by ``tests/patches/test_patches.py``;
 * ``wanted(ctx) -> bool``: whether it applies in this process (platform, ``--kda-policy``;
   ``ctx``: a :class:`~sglang_kda.patch_context.PatchContext`, re-exported here);
 * ``apply(ctx) -> None``: the wiring, idempotent. Logic, runtime state, adapters and capture live

@@ -21,7 +21,7 @@ How: on the CPU engine, after ``KimiMoE.__init__``, sets the ``TopK`` config's
     would double-scale DeepSeek-V2's CPU path, which applies the factor in its own model code.
 Seam: rebinding ``KimiMoE.__init__`` (upstream's reachable as ``__wrapped__``).
 Remove when: SGLang's ``KimiMoE`` (or ``UnquantizedFusedMoEMethod.forward_cpu``) applies
-    ``routed_scaling_factor`` on CPU; ``tests/test_kimi_linear_moe.py`` then sees the unpatched
+    ``routed_scaling_factor`` on CPU; ``tests/cpu/test_kimi_moe.py`` then sees the unpatched
     block already match the reference and fails on purpose.
 """
 

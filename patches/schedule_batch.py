@@ -9,7 +9,7 @@ Why: pinning host memory needs an accelerator; on the CPU engine it raises "Cann
 How: on the CPU engine the method runs as upstream's; when that last statement raises this
     error, the wrapper finishes it without pinning: ``mamba_track_mask`` becomes the same bool
     tensor built from ``mamba_track_mask_cpu`` (set just before). Any other error is raised as
-    is. ``tests/test_cpu_platform.py`` checks that the statement is still the method's last.
+    is. ``tests/cpu/test_platform.py`` checks that the statement is still the method's last.
 Seam: rebinding the method (upstream's kept as ``_orig_prepare_for_decode``).
 Remove when: SGLang pins only when ``is_pin_memory_available()`` there, as it does elsewhere.
 """

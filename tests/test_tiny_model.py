@@ -434,7 +434,7 @@ def _sglang_load_check(model_dir: Path, workdir: Path) -> None:
                                  distributed_init_method=f"file://{workdir / 'pg'}")
     initialize_model_parallel(backend="gloo")
     # As the server does: the CPU engine needs patches/kimi_linear_moe.py for
-    # routed_scaling_factor (tests/test_kimi_linear_moe.py shows it off without).
+    # routed_scaling_factor (tests/cpu/test_kimi_moe.py shows it off without).
     from sglang_kda.patches import current_context, patch_module
 
     patch_module("kimi_linear_moe").apply(current_context())

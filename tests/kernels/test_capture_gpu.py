@@ -6,7 +6,7 @@ checkpoints and SGLang's ``extra_buffer`` track snapshot both requested, exactly
 ``capturing_extend`` plans them, must read nothing back to the host
 (``torch.cuda.set_sync_debug_mode("error")``), and its states must equal the CPU torch path's.
 Needs no SGLang (the adapter is built over a plain base class). Marked ``gpu``: skipped on CPU,
-where tests/test_extend_plan.py checks the same path with tensors that refuse host reads.
+where tests/cache/test_extend_plan.py checks the same path with tensors that refuse host reads.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 from sglang_kda.sim.costs import KimiLinearH200
 from sglang_kda.sim.engine import simulate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmark" / "sim_hol.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "sim_hol.py"
 
 
 @pytest.fixture(scope="module")

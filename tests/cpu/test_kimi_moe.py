@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: reference_forward.py lives there
 REPO = HERE.parent
 REAL_ROUTED_SCALING_FACTOR = 2.446
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SGLANG_USE_CPU_ENGINE": "1"}

@@ -29,7 +29,7 @@ from sglang_kda.sim import validate as V
 from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS
 from sglang_kda.sim.engine import simulate
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmark" / "results" / "sim"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmark" / "results" / "sim"
 POLICIES = ("kda", "stock")
 WORKLOADS = tuple(V.workloads())
 
