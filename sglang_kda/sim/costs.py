@@ -80,6 +80,18 @@ H200_BF16_FLOPS = 989e12
 H200_HBM_BPS = 4.8e12
 H200_MEM_BYTES = 141e9
 
+# Scale-out links (sglang_kda.sim.pd; docs/simulator.md "Scale-out: PD and the host tier").
+# Host tier: each H200 of an HGX board sits on PCIe Gen5 x16, 64 GB/s per direction nominal
+# (PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b); assumed effective 50 GB/s host -> device per GPU
+# (~0.8 of nominal; the GPUs load their own head shards side by side, so a state's load takes
+# state bytes per GPU / this).
+PCIE_H2D_BPS = 50e9
+# PD: an 8-GPU H200 node with 8 x 400 Gb/s RDMA NICs (ConnectX-7, one per GPU: the HGX
+# reference design) = 400 GB/s per node, 50 GB/s per GPU; assumed all of it carries KV + state
+# (each prefill GPU sends its own shard to its decode peer; MLA KV is replicated under TP, so
+# each GPU sends a full copy of the latent KV and 1/tp of the KDA state).
+PD_LINK_BPS_PER_GPU = 400e9 / 8
+
 # MLA prefill attention runs at 0.75 of peak (anchors.md "Derived": 0.6-0.75 of peak; the upper
 # end reproduces the published quadratic term, see published_checks).
 MLA_PREFILL_EFF = 0.75
