@@ -120,6 +120,12 @@ class SimConfig:
         times around the cost model's prediction (``benchmark/sim_validate.py`` measures it on
         the calibration's decode rounds). Empty: every round takes exactly the prediction.
     seed: seeds the jitter draws (a run stays a pure function of trace, config and cost).
+    host_checkpoints: the host tier's state slots (HiCache's host state pool,
+        ``--kda-host-state-pool``; 0: none): :class:`~sglang_kda.sim.tree.RadixTree`'s
+        ``host_checkpoints``.
+    host_load_s: the time one host-only state takes to load back to the device (state bytes per
+        GPU / PCIe bandwidth: :func:`sglang_kda.sim.costs.host_load_s`), added to the round
+        whose admission matched it.
     """
 
     policy: str = "kda"
@@ -145,6 +151,8 @@ class SimConfig:
     eviction: object = "marconi"
     round_jitter: tuple = ()
     seed: int = 0
+    host_checkpoints: int = 0
+    host_load_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -258,7 +266,10 @@ class Rank:
         self.cfg = cfg
         self.cost = cost
         self.id = rank_id
-        self.tree = RadixTree(cfg.max_checkpoints, cfg.max_tokens, alpha=cfg.alpha)
+        self.tree = RadixTree(
+            cfg.max_checkpoints, cfg.max_tokens, alpha=cfg.alpha,
+            host_checkpoints=cfg.host_checkpoints,
+        )  # fmt: skip
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []  # decoding
         self.chunked: Optional[SimReq] = None
@@ -485,6 +496,8 @@ class Rank:
         if self.wake:
             dt += cfg.idle_wake_s
             self.wake = False
+        if cfg.host_checkpoints:  # states loaded back from the host for this round's matches
+            dt += self.tree.take_promotions() * cfg.host_load_s
         if dt <= 0:
             raise RuntimeError("cost model predicted a non-positive round time")
         start, end = self.now, self.now + dt
@@ -610,7 +623,7 @@ class PrefixAware:
             return least
         best, best_key = None, None
         for rank in ranks:
-            kv = rank.tree.match(r.ids, len(r.ids) - 1).kv_length
+            kv = rank.tree.match(r.ids, len(r.ids) - 1, promote=False).kv_length
             key = (-kv, rank.load(), rank.id)
             if best_key is None or key < best_key:
                 best, best_key = rank, key

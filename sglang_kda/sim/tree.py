@@ -83,6 +83,7 @@ class Node:
     heirs: int = 0  # checkpoint: checkpoints that have it as their nearest checkpointed ancestor
     end_heirs: int = 0  # checkpoint: how many of its heirs are branch ends (have no heirs)
     filed: tuple = ()  # unlocked checkpoint: its key in the rule's index (see ``_key``)
+    host: bool = False  # its state is on the host tier only (``host_checkpoints``)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
@@ -108,6 +109,9 @@ class TreeStats:
     checkpoints_evicted: int = 0
     tokens_evicted: int = 0
     nodes_evicted: int = 0
+    host_moved: int = 0  # states the device cap shed that the host tier kept
+    host_promotions: int = 0  # host-only states loaded back on a match
+    host_evicted: int = 0  # host-only states the host cap dropped (KV evictions not counted)
 
 
 class RadixTree:
@@ -120,6 +124,17 @@ class RadixTree:
         (``eviction.parse_eviction`` of ``--kda-eviction``).
     state_nbytes / kda_layers: one state's bytes and the model's KDA layers (the rule's value
         per byte; a constant for one model, so only their ratio to other candidates matters).
+    host_checkpoints: the host tier's state slots (SGLang's HiCache host state pool; 0: no host
+        tier). Write-through, as the server runs it: every device state has its copy on the
+        host, so the host holds the device's states plus up to ``host_checkpoints`` minus those
+        host-only ones. A state the device cap sheds stays on the host (host-only, not counted
+        in :attr:`n_checkpoints`); a match may end on it (``promote``), which loads it back to
+        the device (counted in :attr:`promotions`, for the caller to charge the load time) and
+        may push the device over its cap until the next :meth:`enforce_caps`. The host frees
+        slots for new states' copies before the device sheds (as the write-through copy is
+        taken at insert), oldest host-only state first (SGLang's host LRU by the state's last
+        insert or hit; the server applies ``--kda-eviction`` there, the simulator does not).
+        A KV eviction removes a node with its host-only state (the host tier holds states only).
     """
 
     def __init__(
@@ -129,6 +144,7 @@ class RadixTree:
         alpha: float | None = None,
         state_nbytes: int = 1,
         kda_layers: int = 1,
+        host_checkpoints: int = 0,
     ):
         if alpha is not None and not alpha >= 0:
             raise ValueError("alpha must be None (LRU) or >= 0")
@@ -136,7 +152,12 @@ class RadixTree:
             raise ValueError("max_checkpoints must be >= 0")
         if max_tokens is not None and max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
+        if host_checkpoints < 0:
+            raise ValueError("host_checkpoints must be >= 0")
         self.root = Node()
+        self.host_checkpoints = int(host_checkpoints)
+        self.n_host = 0  # host-only states
+        self.promotions = 0  # host loads since the caller last took them (take_promotions)
         self.max_checkpoints = max_checkpoints
         self.max_tokens = max_tokens
         self.alpha = alpha
@@ -161,6 +182,7 @@ class RadixTree:
         self._lru_ckpt: list = []  # (recency, -depth, serial, seq, node), lazy
         self._lru_leaf: list = []  # the same, for unlocked leaves
         self._seq = itertools.count()
+        self._host_heap: list = []  # (state_access, -depth, serial, node) of host-only, lazy
 
     # -- helpers ------------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -305,6 +327,52 @@ class RadixTree:
         if node.lock_own == 0:
             self._file(node)
 
+    # -- the host tier ------------------------------------------------------------------------
+    def _shed(self, node: Node) -> None:
+        """The device cap drops ``node``'s state; with a host tier its copy stays there."""
+        self._drop_checkpoint(node)
+        if self.host_checkpoints and self.n_host + self.n_checkpoints < self.host_checkpoints:
+            node.host = True
+            self.n_host += 1
+            self.stats.host_moved += 1
+            heapq.heappush(
+                self._host_heap, (node.state_access, -node.depth, node.serial, node)
+            )
+
+    def _host_forget(self, node: Node) -> None:
+        """``node``'s host-only state leaves the host-only set (loaded back, recomputed on the
+        device, or its node evicted); heap entries are dropped lazily."""
+        node.host = False
+        self.n_host -= 1
+
+    def _host_evict(self, n: int) -> int:
+        """Drop up to ``n`` host-only states, oldest (state_access) first, deeper first."""
+        done = 0
+        heap = self._host_heap
+        while done < n and heap:
+            t, _, _, node = heapq.heappop(heap)
+            if not node.host or node.state_access != t:
+                continue
+            self._host_forget(node)
+            done += 1
+        self.stats.host_evicted += done
+        if len(heap) > 4 * (self.n_host + 64):
+            self._host_heap = [e for e in heap if e[3].host and e[3].state_access == e[0]]
+            heapq.heapify(self._host_heap)
+        return done
+
+    def _promote(self, node: Node) -> None:
+        """Load ``node``'s host-only state back into the device tier."""
+        self._host_forget(node)
+        self._add_checkpoint(node)
+        self.stats.host_promotions += 1
+        self.promotions += 1
+
+    def take_promotions(self) -> int:
+        """Host loads since the last call (the caller charges their time), reset to 0."""
+        n, self.promotions = self.promotions, 0
+        return n
+
     def _walk(self) -> tuple[list, dict, dict]:
         """Post-order figures of every node: (nodes, recency = the most recent access in its
         subtree, locked = a lock on it or below)."""
@@ -362,7 +430,11 @@ class RadixTree:
 
     # -- queries ------------------------------------------------------------------------------
     def match(
-        self, ids: Sequence[int], limit: int | None = None, start: Node | None = None
+        self,
+        ids: Sequence[int],
+        limit: int | None = None,
+        start: Node | None = None,
+        promote: bool = True,
     ) -> Match:
         """Deepest checkpointed node on ``ids``' path at most ``limit`` tokens deep.
 
@@ -370,10 +442,13 @@ class RadixTree:
         ``start``: a node known to lie on ``ids``' path (e.g. one the request locks); the walk
         begins there and only checkpoints from it down are considered (a shortcut for long
         paths: an in-flight request looks for checkpoints past its progress).
+        ``promote``: with a host tier, a host-only state counts as a checkpoint and the match
+        loads it back (:meth:`_promote`); False (a router's look) sees the device tier only.
         """
         limit = len(ids) - 1 if limit is None else min(limit, len(ids))
         node = self.root if start is None else start
         pos = node.depth
+        host = promote and self.n_host > 0
         best = node if node.checkpoint and node.depth <= limit else self.root
         kv = pos
         while pos < len(ids):
@@ -385,8 +460,10 @@ class RadixTree:
             if n < len(child.key):
                 break
             node, pos = child, pos + n
-            if node.checkpoint and node.depth <= limit:
+            if (node.checkpoint or (host and node.host)) and node.depth <= limit:
                 best = node
+        if best.host:
+            self._promote(best)
         t = self._tick()
         self._touch(best, t)
         if best.checkpoint:  # a hit: the state's recency for the eviction rule
@@ -472,6 +549,8 @@ class RadixTree:
             node, pos = child, child.depth
             if mi < len(marks) and marks[mi] == pos:
                 if not node.checkpoint:
+                    if node.host:  # computed again: the device holds it, its host copy backs it
+                        self._host_forget(node)
                     self._add_checkpoint(node)
                     new += 1
                 self._state_touched(node, t)
@@ -502,7 +581,11 @@ class RadixTree:
                 self._push(self._lru_leaf, node)
 
     def enforce_caps(self) -> None:
-        """Evict down to the caps (checkpoints by the tree's rule, KV by LRU)."""
+        """Evict down to the caps (checkpoints by the tree's rule, KV by LRU). With a host
+        tier, first the host frees the slots the new states' copies took (write-through: the
+        device's states and the host-only ones share the host pool)."""
+        if self.n_host and self.n_host + self.n_checkpoints > self.host_checkpoints:
+            self._host_evict(self.n_host + self.n_checkpoints - self.host_checkpoints)
         if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
             self.evict(checkpoints=self.n_checkpoints - self.max_checkpoints)
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
@@ -533,7 +616,7 @@ class RadixTree:
                 n = self._pop_lru(heap, lambda n: n.checkpoint and n.lock_own == 0)
                 if n is None:
                     break
-                self._drop_checkpoint(n)
+                self._shed(n)
                 done_c += 1
             self._maybe_rebuild()
         if tokens > 0:
@@ -547,6 +630,8 @@ class RadixTree:
                 if n.checkpoint:
                     self._drop_checkpoint(n)  # a leaf: no heirs
                     done_c += 1
+                elif n.host:  # the host tier holds states, not KV: its state goes too
+                    self._host_forget(n)
                 del parent.children[n.key[0]]
                 n.parent = None
                 self.n_tokens -= len(n.key)
@@ -671,7 +756,7 @@ class RadixTree:
         ]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
         for nid in victims:
-            self._drop_checkpoint(by_id[nid])
+            self._shed(by_id[nid])
         return len(victims)
 
     def _pick_by_rule(self, n: int) -> int:
@@ -710,7 +795,7 @@ class RadixTree:
                 key = (score, x.state_access, x.depth)
                 if best is None or key < best[0]:
                     best = (key, x)
-            self._drop_checkpoint(best[1])
+            self._shed(best[1])
             done += 1
         self._maybe_rebuild()
         return done
@@ -720,7 +805,7 @@ class RadixTree:
         if self.locks_held():
             raise TreeIntegrityError("reset while locks are held")
         self.root = Node()
-        self.n_checkpoints = self.n_tokens = 0
+        self.n_checkpoints = self.n_tokens = self.n_host = 0
         self._index_reset()
 
     # -- integrity ----------------------------------------------------------------------------
@@ -808,6 +893,14 @@ class RadixTree:
         _, recency, locked_below = self._walk()
         held = sum(n.lock_own for n in order)
         self._check_index(order, recency, fail)
+        hosted = sum(1 for n in order if n.host)
+        if hosted != self.n_host:
+            fail(f"host counter {self.n_host} != {hosted} walked")
+        if any(n.host and n.checkpoint for n in order):
+            fail("a state both on the device and host-only")
+        if hosted and hosted + ckpts > self.host_checkpoints:
+            fail(f"{hosted} host-only + {ckpts} device states over the host pool "
+                 f"{self.host_checkpoints}")
         if tokens != self.n_tokens:
             fail(f"token counter {self.n_tokens} != {tokens} walked")
         if ckpts != self.n_checkpoints:
@@ -822,5 +915,7 @@ class RadixTree:
             locked = sum(len(n.key) for n in order if locked_below[id(n)] and n is not self.root)
             if tokens - locked > self.max_tokens:
                 fail(f"{tokens} KV tokens over the cap {self.max_tokens}")
-        return {"nodes": nodes, "tokens": tokens, "checkpoints": ckpts,
-                "locks": held}  # fmt: skip
+        out = {"nodes": nodes, "tokens": tokens, "checkpoints": ckpts, "locks": held}
+        if self.host_checkpoints:
+            out["host"] = hosted
+        return out
