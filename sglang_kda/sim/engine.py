@@ -124,7 +124,7 @@ class SimConfig:
         ``--kda-host-state-pool``; 0: none): :class:`~sglang_kda.sim.tree.RadixTree`'s
         ``host_checkpoints``.
     host_load_s: the time one host-only state takes to load back to the device (state bytes per
-        GPU / PCIe bandwidth: :func:`sglang_kda.sim.costs.host_load_s`), added to the round
+        GPU / PCIe bandwidth: :func:`sglang_kda.sim.pd.host_load_s`), added to the round
         whose admission matched it.
     """
 
