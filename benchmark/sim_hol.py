@@ -896,7 +896,7 @@ def exp_concurrent(args) -> None:
         "chunk kernel on H100, 8 heads: 32K in 0.995 ms over 512 chunks), x 20 KDA layers; the "
         "per-token term (MoE, projections, the KDA chunks' local work) calibrated on the "
         "published 128K prefill (Kimi Linear report, arXiv 2510.26692, fig. 7a: 1.40 s) and "
-        "checked against its 256K-1M points (`tests/test_sim_costs.py`); MLA prefill attention "
+        "checked against its 256K-1M points (`tests/sim/test_costs.py`); MLA prefill attention "
         "at 0.75 of 8 x 989 TFLOPS (H200 datasheet; the published curve's quadratic term); the "
         "fixed cost of a round from SGLang's Qwen3-Next TP8 H200 serving figures (sglang PR "
         "#10404) and fig. 7b's TPOT at 4K. At TP8 an 8,192-token slice's chain is 4.9 ms of a "

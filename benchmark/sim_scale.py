@@ -8,7 +8,7 @@ One command per experiment (CSV + PNG in ``benchmark/results/sim/``)::
     .venv/bin/python benchmark/sim_scale.py all
 
 Cost model: :class:`sglang_kda.sim.costs.KimiLinearH200` (published-number checks in
-``tests/test_sim_costs.py``). Page size 64 (FlashMLA's paged KV block), so the checkpoint grid
+``tests/sim/test_costs.py``). Page size 64 (FlashMLA's paged KV block), so the checkpoint grid
 is 64 and the tree is paged.
 
 ``slices``: N decode streams (1,000-token prompts) decode from t=0; a 1,048,576-token prompt arrives

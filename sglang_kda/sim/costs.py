@@ -15,7 +15,7 @@ Two families:
   :mod:`sglang_kda.sim.calibrate` on the real server's step trace).
 * **Kimi-Linear-48B-A3B on H200** (:class:`KimiLinearH200`) at TP1/TP4/TP8, built from published
   measurements; every constant below names its source. :func:`published_checks` compares it with
-  the published end-to-end prefill times (128K-1M) and TPOT figures; ``tests/test_sim_costs.py``
+  the published end-to-end prefill times (128K-1M) and TPOT figures; ``tests/sim/test_costs.py``
   holds the errors to the bounds stated there.
 """
 
