@@ -1,9 +1,10 @@
 """Scale-out in the simulator at H200 TP8: the host tier for checkpoints and PD (issue 28 item 3).
 
 Kimi-Linear-48B-A3B, the Mooncake conversation trace (``sim/mooncake.py``, as
-``benchmark/sim_mooncake.py`` loads it), the ``kda`` defaults of ``sim_mooncake.py`` (page 64,
-chunk 8,192, spacing 704, marconi eviction, the serial budget), capacities from ``memory_plan``
-(TP8: 5,142 device states, 10.0M KV tokens).
+``benchmark/sim_mooncake.py`` loads it), the server's ``kda`` defaults (``SimConfig.from_flags``:
+marconi eviction, the serial budget as the launcher builds it) at page 64, chunk 8,192, spacing
+704 (memory parity at TP8), capacities from ``memory_plan`` (TP8: 5,142 device states, 10.0M KV
+tokens).
 
 (a) host tier (``SimConfig.host_checkpoints``; write-through, as SGLang's HiCache: the host pool
     holds the device states' copies plus host-only ones): host pool 0 (device-only), 1x, 4x,
@@ -35,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_mooncake as smc  # noqa: E402 - benchmark/sim_mooncake.py: the kda config
 
 from sglang_kda import harness  # noqa: E402
+from sglang_kda.config import KDAConfig  # noqa: E402
 from sglang_kda.harness import pyplot, save_png  # noqa: E402
 from sglang_kda.sim import costs, engine  # noqa: E402
 from sglang_kda.sim import mooncake as mc  # noqa: E402
 from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402
-from sglang_kda.sim.engine import simulate  # noqa: E402
+from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
 from sglang_kda.sim.metrics import percentile  # noqa: E402
 from sglang_kda.sim.pd import PDConfig, host_load_s, simulate_pd  # noqa: E402
 
@@ -47,6 +49,21 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmark" / "results" / "sim_scale_out"
 TP = 8
 MULTIPLES = (0, 1, 4, 16)
+
+
+def kda_config(plan: dict) -> SimConfig:
+    """The server's kda defaults (no ``--kda-*`` flag: ``SimConfig.from_flags``) with the
+    spacing the CUDA launcher resolves at TP8 (memory parity: 704) and sim_mooncake.py's page,
+    chunk, request cap and ``memory_plan`` capacities."""
+    return SimConfig.from_flags(
+        KDAConfig(),
+        checkpoint_every=smc.kda_spacing(plan),
+        chunked_prefill_size=smc.CHUNK,
+        page_size=smc.PAGE,
+        max_running_requests=1024,
+        max_checkpoints=plan["checkpoints"],
+        max_tokens=plan["kv_tokens"],
+    )
 
 
 def traced(label: str, every: float, horizon: float):
@@ -81,12 +98,18 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
     rows = []
     load_s = host_load_s(TP)
     node_state_bytes = costs.KDA_STATE_BYTES  # one state on the node: tp shards of 1/tp
-    for mult in MULTIPLES:
+    runs = [(m, True) for m in MULTIPLES]
+    if args.kv_unbounded:
+        runs += [(0, False), (16, False)]
+    for mult, kv_capped in runs:
         host = mult * plan["checkpoints"]
-        cfg = smc.config("kda", plan)
+        cfg = kda_config(plan)
         cfg.host_checkpoints, cfg.host_load_s = host, load_s
+        if not kv_capped:
+            cfg.max_tokens = None
+        label = f"host {mult}x" + ("" if kv_capped else ", KV unbounded")
         res, wall, cpu = run_timed(
-            f"host {mult}x", args, horizon, lambda cfg=cfg: simulate(trace, cfg, cost)
+            label, args, horizon, lambda cfg=cfg: simulate(trace, cfg, cost)
         )
         ttfts, itls = latencies(res)
         st = res.ranks[0].tree.stats
@@ -97,6 +120,7 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
         row = {
             "window_s": window,
             "host_multiple": mult,
+            "kv_tokens_cap": plan["kv_tokens"] if kv_capped else "",
             "device_states": plan["checkpoints"],
             "host_states": host,
             "host_only_max": max(host - plan["checkpoints"], 0),
@@ -123,7 +147,7 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
         }
         rows.append(row)
         print(
-            f"[host {mult}x = {host} states, {row['host_ram_per_node_gb']:.0f} GB/node] prefill "
+            f"[{label} = {host} states, {row['host_ram_per_node_gb']:.0f} GB/node] prefill "
             f"{row['prefill_over_prompt']:.3f} of prompt ({row['x_ideal']:.3f}x ideal), cached "
             f"{row['cached_share']:.3f}; {st.host_promotions} host hits "
             f"({row['host_hits_per_request']:.2f}/request, load {row['host_load_s_total']:.2f} s "
@@ -135,7 +159,7 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
     harness.write_csv(OUT / f"host_tier_{window}.csv", rows)
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [str(r["host_multiple"]) + "x" for r in rows]
+    xs = [f"{r['host_multiple']}x" + ("" if r["kv_tokens_cap"] else "\nKV unb.") for r in rows]
     a1.bar(xs, [r["prefill_over_prompt"] for r in rows], color="tab:blue")
     a1.axhline(ideal / max(rows[0]["prompt_tokens"], 1), color="k", ls="--", label="ideal")
     a1.set_xlabel("host state pool (x device pool)")
@@ -156,10 +180,10 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
 
 def pd_part(trace, args, plan, cost, horizon, window) -> list[dict]:
     rows, cdfs = [], {}
-    cfg = smc.config("kda", plan)
+    cfg = kda_config(plan)
     col, wall, cpu = run_timed("colocated", args, horizon, lambda: simulate(trace, cfg, cost))
     pd = PDConfig(1, 1, link_bps=costs.PD_LINK_BPS_PER_GPU, tp=TP)
-    cfg_pd = smc.config("kda", plan)
+    cfg_pd = kda_config(plan)
     res, wall2, cpu2 = run_timed(
         "PD 1P1D", args, horizon, lambda: simulate_pd(trace, cfg_pd, cost, pd)
     )
@@ -224,6 +248,9 @@ def main() -> int:
     ap.add_argument("--start", type=float, default=0.0)
     ap.add_argument("--end", type=float, default=600.0)
     ap.add_argument("--parts", default="host,pd", help="host, pd or both")
+    ap.add_argument("--kv-unbounded", action="store_true",
+                    help="also 0x and 16x with the device KV pool unbounded (the most a host KV "
+                    "tier could add; its load time not charged)")
     ap.add_argument("--progress", type=float, default=300.0, help="simulated s between lines")
     args = ap.parse_args()
     t_all = time.monotonic()
