@@ -7,10 +7,10 @@ defaults:
 
 - ``stock``: SGLang (FCFS, page-aligned cuts, chunk-end states, LRU);
 - ``stock+mixed``: the same with ``--enable-mixed-chunk``;
-- ``kda``: this project's defaults: grid cuts, checkpoints every ``parity_spacing`` (704 tokens
-  at TP8: one state's bytes in KV tokens, rounded up to the 64 grid), twins, in-flight resume,
-  the marconi eviction rule, the serial budget (round budget 2x the decode step, at least
-  50 ms; ``BudgetConfig`` defaults).
+- ``kda``: this project's defaults (``SimConfig.from_flags(KDAConfig())``: what the server runs
+  with no ``--kda-*`` flag): grid cuts, checkpoints every ``parity_spacing`` (704 tokens at TP8:
+  one state's bytes in KV tokens, rounded up to the 64 grid, as the CUDA launcher resolves it),
+  twins, in-flight resume, the marconi eviction rule with its bonus, the serial budget.
 
 Prints per policy: prefill tokens computed / prompt tokens, that over the ideal
 (``mooncake.ideal_prefill``: every repeated block prefix cached forever), TTFT p50 / p99, the
@@ -33,7 +33,7 @@ from pathlib import Path
 from sglang_kda import harness
 from sglang_kda.harness import pyplot, save_png
 from sglang_kda.policy import spacing
-from sglang_kda.policy.budget import BudgetConfig
+from sglang_kda.config import KDAConfig
 from sglang_kda.sim import engine
 from sglang_kda.sim import mooncake as mc
 from sglang_kda.sim.costs import KDA_LAYERS, KimiLinearH200
@@ -66,12 +66,9 @@ def config(policy: str, plan: dict) -> SimConfig:
         return SimConfig(policy="stock", **base)
     if policy == "stock+mixed":
         return SimConfig(policy="stock", enable_mixed_chunk=True, **base)
-    return SimConfig(
-        policy="kda",
-        checkpoint_every=kda_spacing(plan),
-        budget=BudgetConfig(grid=PAGE, max_slice=CHUNK),
-        **base,
-    )
+    # the server's defaults from the flag registry (the serial budget as the launcher builds
+    # it), with the spacing the CUDA launcher resolves at TP8 (memory parity)
+    return SimConfig.from_flags(KDAConfig(), checkpoint_every=kda_spacing(plan), **base)
 
 
 class Progress:
