@@ -148,6 +148,19 @@ class Decision:
     mix_decode: bool = True
     head: Optional[str] = None
 
+    def as_dict(self) -> dict:
+        """The decision as plain values (what the round log records and the replay compares)."""
+        return {
+            "mode": self.plan.mode,
+            "rid": self.plan.rid,
+            "run_prefill": self.run_prefill,
+            "chunk_budget": self.chunk_budget,
+            "keep": self.keep,
+            "cap": self.cap,
+            "mix_decode": self.mix_decode,
+            "head": self.head,
+        }
+
 
 @dataclass
 class RoundPlanner:

@@ -86,21 +86,6 @@ def sim_config(header: dict) -> SimConfig:
     )
 
 
-def _decision(dec) -> Optional[dict]:
-    if dec is None:
-        return None
-    return {
-        "mode": dec.plan.mode,
-        "rid": dec.plan.rid,
-        "run_prefill": dec.run_prefill,
-        "chunk_budget": dec.chunk_budget,
-        "keep": dec.keep,
-        "cap": dec.cap,
-        "mix_decode": dec.mix_decode,
-        "head": dec.head,
-    }
-
-
 def replay(header: dict, passes: list[dict]) -> ReplayResult:
     cfg = sim_config(header)
     kda_layers, mla_layers = header["kda_layers"], max(1, header["mla_layers"])
@@ -121,7 +106,8 @@ def replay(header: dict, passes: list[dict]) -> ReplayResult:
         n_before = len(rank.rounds)
         rank.last_decision = None
         rank.step()
-        got_dec = _decision(rank.last_decision) if rank.planner is not None else None
+        dec = rank.last_decision if rank.planner is not None else None
+        got_dec = None if dec is None else dec.as_dict()
         want_dec = plan.get("decision") if plan else None
         if got_dec != want_dec:
             res.mismatch = Mismatch(i, "decision", want_dec, got_dec)

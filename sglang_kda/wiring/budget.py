@@ -225,22 +225,6 @@ class Orders:
     refused: dict = field(default_factory=dict)
 
 
-def decision_dict(dec: Optional[Decision]) -> Optional[dict]:
-    """A round's decision as plain values (the round log's record of it)."""
-    if dec is None:
-        return None
-    return {
-        "mode": dec.plan.mode,
-        "rid": dec.plan.rid,
-        "run_prefill": dec.run_prefill,
-        "chunk_budget": dec.chunk_budget,
-        "keep": dec.keep,
-        "cap": dec.cap,
-        "mix_decode": dec.mix_decode,
-        "head": dec.head,
-    }
-
-
 @dataclass
 class BudgetRuntime:
     """The budget's state in one scheduler process.
@@ -358,7 +342,7 @@ class BudgetRuntime:
             overhead=overhead,
             slow=slow,
         )
-        self.last_round["decision"] = decision_dict(dec)
+        self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
         return dec
