@@ -48,7 +48,7 @@ def _text(value: Any) -> str | None:
     if value is None:
         return None
     text = str(value)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    return text[len("torch.") :] if text.startswith("torch.") else text
 
 
 def model_ssm_dtype(config: Mapping[str, Any] | None) -> str:

@@ -59,9 +59,7 @@ from typing import Iterable, Sequence
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
-MODES = (
-    "idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst", "finish"
-)
+MODES = ("idle", "prefill_only", "share", "grow", "alone", "interleave", "pace", "burst", "finish")
 
 
 @dataclass(frozen=True)

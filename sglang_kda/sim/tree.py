@@ -335,9 +335,7 @@ class RadixTree:
             node.host = True
             self.n_host += 1
             self.stats.host_moved += 1
-            heapq.heappush(
-                self._host_heap, (node.state_access, -node.depth, node.serial, node)
-            )
+            heapq.heappush(self._host_heap, (node.state_access, -node.depth, node.serial, node))
 
     def _host_forget(self, node: Node) -> None:
         """``node``'s host-only state leaves the host-only set (loaded back, recomputed on the
@@ -749,9 +747,7 @@ class RadixTree:
             if a is not None and nid not in heirs:
                 ends[a] = ends.get(a, 0) + 1
         cands = [
-            dataclasses.replace(
-                c, heirs=heirs.get(c.node_id, 0), end_heirs=ends.get(c.node_id, 0)
-            )
+            dataclasses.replace(c, heirs=heirs.get(c.node_id, 0), end_heirs=ends.get(c.node_id, 0))
             for c in cands
         ]
         victims = eviction_mod.pick_victims(cands, n, self.alpha)
@@ -899,8 +895,10 @@ class RadixTree:
         if any(n.host and n.checkpoint for n in order):
             fail("a state both on the device and host-only")
         if hosted and hosted + ckpts > self.host_checkpoints:
-            fail(f"{hosted} host-only + {ckpts} device states over the host pool "
-                 f"{self.host_checkpoints}")
+            fail(
+                f"{hosted} host-only + {ckpts} device states over the host pool "
+                f"{self.host_checkpoints}"
+            )
         if tokens != self.n_tokens:
             fail(f"token counter {self.n_tokens} != {tokens} walked")
         if ckpts != self.n_checkpoints:
