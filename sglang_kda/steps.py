@@ -65,6 +65,20 @@ def step_lens(batch: Any) -> StepShape | None:
     return None
 
 
+def prefill_slices(batch: Any) -> list[tuple[Any, int, int]]:
+    """The prefill slices of an extend batch about to run, in batch order: (request, cached
+    prefix, new tokens); the decode requests of a mixed batch left out. Empty for any other
+    batch."""
+    if batch is None or not batch.forward_mode.is_extend():
+        return []
+    dec = {id(r) for r in (batch.decoding_reqs or ())}
+    return [
+        (req, int(batch.prefix_lens[i]), int(batch.extend_lens[i]))
+        for i, req in enumerate(batch.reqs)
+        if id(req) not in dec
+    ]
+
+
 def step_row(batch: Any, t0: float, t1: float) -> dict:
     """The trace row of one forward of ``batch`` that ran from ``t0`` to ``t1``."""
     mode = getattr(getattr(batch, "forward_mode", None), "name", None)

@@ -51,7 +51,7 @@ from sglang_kda.policy.cost_model import (
     default_cache_path,
 )
 from sglang_kda.policy.round import Decision, RoundPlanner
-from sglang_kda.steps import batch_shape
+from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
 
 logger = logging.getLogger(__name__)
@@ -584,18 +584,10 @@ def prefills_in(batch: Any) -> list[tuple[str, Optional[int]]]:
     request, (rid, ``None``) of each one whose prefill it completes; decode requests of a mixed
     batch left out; none for a decode batch. Read at launch: the overlap scheduler hands
     ``process_batch_result`` a copy of the batch without ``chunked_req``."""
-    if not batch.forward_mode.is_extend():
-        return []
-    dec = set(map(id, batch.decoding_reqs or ()))
-    out: list[tuple[str, Optional[int]]] = []
-    for i, req in enumerate(batch.reqs):
-        if id(req) in dec:
-            continue
-        if req is batch.chunked_req:
-            out.append((req.rid, int(batch.prefix_lens[i]) + int(batch.extend_lens[i])))
-        else:
-            out.append((req.rid, None))
-    return out
+    return [
+        (req.rid, prefix + extend if req is batch.chunked_req else None)
+        for req, prefix, extend in prefill_slices(batch)
+    ]
 
 
 def plan_round(sched: Any, running_batch: Any) -> Optional[Decision]:

@@ -28,6 +28,8 @@ import os
 import time
 from typing import Any, Optional
 
+from sglang_kda.steps import prefill_slices
+
 MARK = "_kda_round_logged"
 
 
@@ -101,12 +103,7 @@ def batch_rounds(batch: Any) -> tuple[list, list]:
         return [], []
     if not batch.forward_mode.is_extend():
         return [], [r.rid for r in batch.reqs]
-    dec = {id(r) for r in (batch.decoding_reqs or ())}
-    slices = [
-        [req.rid, int(batch.prefix_lens[i]), int(batch.extend_lens[i])]
-        for i, req in enumerate(batch.reqs)
-        if id(req) not in dec
-    ]
+    slices = [[req.rid, prefix, extend] for req, prefix, extend in prefill_slices(batch)]
     return slices, [r.rid for r in (batch.decoding_reqs or ())]
 
 

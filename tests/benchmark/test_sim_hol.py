@@ -11,29 +11,15 @@ time only: nothing here depends on how fast the machine is.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from sglang_kda.sim.costs import KimiLinearH200
 from sglang_kda.sim.engine import simulate
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "sim_hol.py"
-
 
 @pytest.fixture(scope="module")
-def hol():
-    spec = importlib.util.spec_from_file_location("sim_hol", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return mod
+def hol(benchmark_script):
+    return benchmark_script("sim_hol")
 
 
 @pytest.fixture(scope="module")

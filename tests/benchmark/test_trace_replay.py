@@ -4,29 +4,16 @@ hand-made streams of timestamps."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from sglang_kda.harness import StreamResult
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmark" / "trace_replay.py"
-
 
 @pytest.fixture(scope="module")
-def tr():
-    spec = importlib.util.spec_from_file_location("trace_replay", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return mod
+def tr(benchmark_script):
+    return benchmark_script("trace_replay")
 
 
 def test_keep_shifts_to_zero_and_scales(tr):
