@@ -98,10 +98,17 @@ def test_the_simulator_makes_the_servers_decisions_in_every_round(logged):
 
 
 def test_a_change_on_one_side_alone_is_caught(logged, monkeypatch):
-    """The check is not vacuous: the simulator with one rule changed (twins never wait) no longer
-    makes the server's decisions, and neither does a log whose server cut one slice differently."""
+    """The check is not vacuous: the simulator with one rule changed no longer makes the server's
+    decisions, and neither does a log whose server cut one slice differently.
+
+    The changed rule: every candidate waits as a twin of whatever the round already admitted.
+    The workload's rounds held several prompts (asserted above), which that rule forbids, so the
+    change is observable whatever the timing. (The opposite change, twins never wait, is not:
+    whether a waiting twin would have fitted the round depends on when the requests arrived; a
+    CI run on 2026-12-03 replayed it without a mismatch.)"""
     _, (header, passes) = logged
-    monkeypatch.setattr(admission, "twin_gain", lambda *a, **k: 0)
+    assert any(len(p["slices"]) > 1 for p in passes)
+    monkeypatch.setattr(admission, "twin_gain", lambda *a, **k: 1 << 30)
     assert not replay.replay(header, passes).ok
     monkeypatch.undo()
     edited = [dict(p) for p in passes]
