@@ -47,7 +47,7 @@ PATCH_MODULES = (
     "disaggregation_mooncake",
     "disaggregation_prefill",
     "round_log",
-    "disaggregation_decode",
+    "disaggregation_conn",
     "pool_host_common",
     "pool_host_mla",
     "pool_host_mamba",

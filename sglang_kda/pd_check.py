@@ -1,5 +1,5 @@
 """Which settings a PD prefill server and its decode server must share, and the check a decode
-server runs on each prefill server it meets (``patches/disaggregation_decode.py`` wires it in).
+server runs on each prefill server it meets (``patches/disaggregation_conn.py`` wires it in).
 
 The decode server receives raw bytes: KV pages addressed by page id and KDA state slots (the
 recurrent state and the short-conv state), written into its own pools at its own item sizes.
@@ -23,12 +23,17 @@ TP sizes (SGLang reslices MLA KV across TP sizes).
 Not checked: a ``SGLANG_MAMBA_CONV_DTYPE`` set by hand on one side only (an environment
 variable, not in ``/server_info``).
 
+Also here: :class:`EarlyAborts`, the prefill side's memory of abort notices that arrived before
+the request they name (the same patch wires it in).
+
 A plain module: no SGLang import.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import threading
+import time
+from typing import Any, Callable, Hashable, Mapping
 
 MUST_AGREE: tuple[tuple[str, str], ...] = (
     ("model", "--served-model-name (defaults to --model-path)"),
@@ -99,3 +104,57 @@ def refusal(bootstrap_addr: str, lines: list[str]) -> str:
         "same values (docs/scale-out.md, PD). Requests through this prefill server fail until it "
         "is restarted."
     )
+
+
+class EarlyAborts:
+    """Abort notices a PD prefill server received for requests it has not registered yet.
+
+    The router sends each request to both servers at once. A decode server that fails a request
+    at its handshake (a refused prefill server, a client abort) notifies the prefill server at
+    once, and that notice can arrive before the prefill server has registered the request's
+    bootstrap room. Upstream drops a notice for an unknown room, so the prefill half then waits
+    for a handshake that never comes until its bootstrap timeout (300 s by default), and the
+    client with it. The notice is kept here for ``ttl`` seconds instead; the room fails as soon
+    as it is registered (:meth:`take`).
+
+    Thread-safe: notices come in on the transfer backend's thread, rooms open on the scheduler's.
+    """
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl, self.clock = ttl, clock
+        self._expiry: dict[Hashable, float] = {}
+        self._lock = threading.Lock()
+        self.kept = 0  # notices kept for rooms unknown when they came
+        self.taken = 0  # rooms failed at registration by a kept notice
+
+    def _prune(self, now: float) -> None:
+        for room in [r for r, t in self._expiry.items() if t <= now]:
+            del self._expiry[room]
+
+    def note(self, room: Hashable) -> None:
+        """A notice for ``room``, which the prefill server does not know (yet)."""
+        with self._lock:
+            now = self.clock()
+            self._prune(now)
+            self._expiry[room] = now + self.ttl
+            self.kept += 1
+
+    def take(self, room: Hashable) -> bool:
+        """Whether a notice for ``room`` came before it was registered (forgotten once asked)."""
+        with self._lock:
+            self._prune(self.clock())
+            found = self._expiry.pop(room, None) is not None
+            self.taken += found
+            return found
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._prune(self.clock())
+            return len(self._expiry)
+
+
+EARLY_ABORT_REASON = (
+    "sglang_kda: the decode server aborted this request before this prefill server registered "
+    "it (the decode side failed it at its handshake; its error says why)"
+)
+"""The failure a prefill server records for a room failed by a kept early abort notice."""

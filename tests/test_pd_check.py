@@ -1,5 +1,5 @@
 """The PD flag check (``sglang_kda/pd_check.py``) and its wiring into a decode server's handshake
-(``patches/disaggregation_decode.py``), without servers: upstream's two methods are stood in
+(``patches/disaggregation_conn.py``), without servers: upstream's two methods are stood in
 for, the patch wraps the stand-ins. ``tests/server/test_pd.py`` runs it between real servers."""
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class _Manager:
 def wired(monkeypatch):
     """The patch applied over stand-ins of upstream's methods (restored afterwards)."""
     conn = pytest.importorskip("sglang.srt.disaggregation.common.conn")
-    from sglang_kda.patches import disaggregation_decode as patch
+    from sglang_kda.patches import disaggregation_conn as patch
+    from sglang_kda.wiring import pd
 
     calls = {"upstream_raises": None, "init": 0, "notified": 0}
 
@@ -99,11 +100,18 @@ def wired(monkeypatch):
     monkeypatch.setattr(conn.CommonKVReceiver, "init", init)
     monkeypatch.setattr(conn.CommonKVReceiver, "ensure_abort_notified", notified)
     theirs = dict(OURS)
-    monkeypatch.setattr(patch, "_own_settings", lambda: (transfer_settings(OURS), "float32"))
-    monkeypatch.setattr(
-        patch, "_prefill_settings", lambda c, a, i, ssm: transfer_settings(theirs, ssm)
-    )
-    monkeypatch.setattr(patch, "_adopt_route", adopt)
+    monkeypatch.setattr(pd, "own_settings", lambda: (transfer_settings(OURS), "float32"))
+    monkeypatch.setattr(pd, "prefill_settings", lambda c, a, i, ssm: transfer_settings(theirs, ssm))
+    monkeypatch.setattr(pd, "adopt_route", adopt)
+
+    def make_recv(self, socket, timeout_ms=500):
+        return lambda: socket.pop(0)
+
+    def update_status(self, room, status):
+        self.request_status[room] = status
+
+    monkeypatch.setattr(conn.CommonKVManager, "_make_worker_recv", make_recv)
+    monkeypatch.setattr(conn.CommonKVManager, "update_status", update_status)
     patch.apply(None)
 
     def handshake(mgr, addr="p:1", room=7):
@@ -114,7 +122,7 @@ def wired(monkeypatch):
         conn.CommonKVReceiver.init(receiver, 0)
         return receiver
 
-    return SimpleNamespace(conn=conn, calls=calls, theirs=theirs, handshake=handshake)
+    return SimpleNamespace(conn=conn, calls=calls, theirs=theirs, handshake=handshake, pd=pd)
 
 
 def test_matching_prefill_passes(wired):
@@ -154,3 +162,63 @@ def test_a_prefill_restarted_with_the_right_flags_is_accepted(wired):
     mgr.prefill_info_table.clear()  # what the heartbeat does when the prefill server goes
     wired.theirs["dtype"] = "float32"
     assert wired.handshake(mgr, room=9).conclude_state is None
+
+
+# -- the prefill side: abort notices that beat their request ------------------------------------
+
+
+def test_early_aborts_are_kept_until_taken_or_expired():
+    from sglang_kda.pd_check import EarlyAborts
+
+    now = [0.0]
+    book = EarlyAborts(ttl=10, clock=lambda: now[0])
+    book.note(5)
+    book.note(6)
+    assert len(book) == 2 and book.kept == 2
+    assert book.take(5) and not book.take(5)  # forgotten once asked
+    now[0] = 10.5
+    assert not book.take(6) and len(book) == 0  # expired
+    assert book.taken == 1
+
+
+class _PrefillManager(_Manager):
+    def __init__(self, conn):
+        super().__init__()
+        self.disaggregation_mode = conn.DisaggregationMode.PREFILL
+        self.request_status: dict = {}
+
+
+def test_an_abort_before_its_room_fails_the_room_at_registration(wired):
+    """The decode side refused a request (from its kept verdict) and notified the prefill server
+    before the prefill server registered the request: the room fails when it is registered."""
+    conn = wired.conn
+    mgr = _PrefillManager(conn)
+    abort = conn.AbortNotification(room=41, decode_ip="127.0.0.1", decode_port=9).to_zmq()
+    inbox = [abort, [conn.ABORT_TAG, b"not-a-room"]]
+    recv = conn.CommonKVManager._make_worker_recv(mgr, inbox)
+    assert recv() is abort  # upstream's handler still gets the notice
+    assert recv()[1] == b"not-a-room"  # malformed: passed on untouched
+    conn.CommonKVManager.update_status(mgr, 40, conn.KVPoll.Bootstrapping)
+    assert mgr.request_status[40] == conn.KVPoll.Bootstrapping and 40 not in mgr.records
+    conn.CommonKVManager.update_status(mgr, 41, conn.KVPoll.Bootstrapping)
+    assert mgr.request_status[41] == conn.KVPoll.Failed
+    assert "aborted this request before this prefill server registered it" in mgr.records[41]
+
+
+def test_an_abort_for_a_known_room_is_left_to_upstream(wired):
+    conn = wired.conn
+    mgr = _PrefillManager(conn)
+    conn.CommonKVManager.update_status(mgr, 42, conn.KVPoll.Bootstrapping)
+    recv = conn.CommonKVManager._make_worker_recv(mgr, [conn.AbortNotification(room=42).to_zmq()])
+    recv()
+    book = wired.pd.early_aborts(conn, mgr)
+    assert len(book) == 0  # upstream's handler fails a known room itself
+
+
+def test_a_decode_manager_keeps_no_early_aborts(wired):
+    conn = wired.conn
+    mgr = _PrefillManager(conn)
+    mgr.disaggregation_mode = conn.DisaggregationMode.DECODE
+    msg = conn.AbortNotification(room=43).to_zmq()
+    assert conn.CommonKVManager._make_worker_recv(mgr, [msg])() is msg
+    assert wired.pd.early_aborts(conn, mgr) is None

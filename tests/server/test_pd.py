@@ -12,9 +12,10 @@ only decodes. Checked:
   cached-token count (the grid point below its last token: the same counts a single
   ``--kda-policy kda`` server reported for these prompts);
 - a prefill server with a mismatched flag (``--mamba-ssm-dtype``): the decode server refuses it
-  at the request's handshake (``patches/disaggregation_decode.py``), the client's error names
+  at the request's handshake (``patches/disaggregation_conn.py``), the client's error names
   the flag, neither server stops or keeps a slot, and the decode server goes on serving the good
-  pair;
+  pair; later requests through the refused pair are refused at once too (the prefill server
+  keeps an abort notice that beats its request);
 - prefill server killed while a long prompt is prefilled: the client gets an error, the decode
   server drops the request when its heartbeat finds the prefill server gone (SGLang's
   ``SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`` 5 s x ``_MAX_FAILURE`` 2) and frees its slots
@@ -314,20 +315,22 @@ def test_mismatched_prefill_is_refused_naming_the_flag(pd_servers, prompts):
     assert prefill.get("/health_generate", timeout=120).status_code == 200
     good_router = pd_servers.pair("prefill")[0]
     assert len(generate(good_router, prompts[1])["output_ids"]) == NEW_TOKENS
-    # Refused again on the next request (the verdict is kept per prefill server).
-    thread, result = _post_in_background(router, prompts[2])
-    thread.join(FAULT_TIMEOUT_S + 10)
-    refused_again = result.get("status", 200) >= 400 and MISMATCH[0] in result.get("text", "")
+    # Refused again on later requests (the verdict is kept per prefill server), at once. The
+    # decode side refuses these before any network call, so its abort notice can reach the
+    # prefill server before that server registers the request; the prefill server keeps such
+    # notices (``pd_check.EarlyAborts``). Without that, a later request hung until the client
+    # gave up (120 s; seen in the 2026-12-03 CI run and 2 of 2 reproductions).
+    later = []
+    for prompt in prompts[2:5]:
+        thread, result = _post_in_background(router, prompt)
+        thread.join(FAULT_TIMEOUT_S + 10)
+        later.append(result)
+    print(f"[pd] later requests through the refused pair: {later}", flush=True)
     router.stop()
     prefill.stop()  # its cores back to the others
-    if not refused_again:
-        # Known bug (seen in the fresh-clone CI run of 2026-12-03, passed in two runs before):
-        # the decode side refuses a later request from its kept verdict at once, and its abort
-        # notice can reach the prefill server before that server has registered the request's
-        # bootstrap room; the prefill side then waits for a handshake that never comes, and the
-        # client only hears when it gives up (120 s here). The first request is refused in
-        # 0.05-0.09 s (asserted above). Open in issue 28's note.
-        pytest.xfail(f"a later request through a refused pair hung: {result}")
+    for result in later:
+        assert result.get("status", 200) >= 400 and MISMATCH[0] in result.get("text", ""), later
+        assert result["seconds"] < 30, later
 
 
 def test_prefill_killed_mid_prefill(pd_servers, prompts, reference, tiny_model_dir):

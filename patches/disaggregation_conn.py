@@ -1,15 +1,25 @@
-"""Patch ``sglang.srt.disaggregation.common.conn``: a PD decode server checks each prefill server.
+"""Patch ``sglang.srt.disaggregation.common.conn``: a PD decode server checks each prefill server,
+and a PD prefill server keeps abort notices that beat their request.
 
 Upstream: ``CommonKVManager.try_ensure_parallel_info`` (a decode server's first contact with a
     prefill server: it reads the prefill's ``PrefillServerInfo`` from its bootstrap server,
     compares page size and KV cache dtype and raises ``RuntimeError`` on a mismatch, inside the
     decode scheduler's loop) and ``CommonKVReceiver.init`` (each request's handshake with its
-    prefill server, which Mooncake's receiver inherits).
+    prefill server, which Mooncake's receiver inherits). On the prefill side,
+    ``CommonKVManager._make_worker_recv`` (the receive function of the thread that takes the
+    decode servers' messages, abort notices included; Mooncake's and NIXL's managers use it) and
+    ``CommonKVManager.update_status`` (a room is registered by its first status, Bootstrapping).
 Why: a prefill server on another model, state dtype or ``--dtype`` (see
     :mod:`sglang_kda.pd_check`) passed the handshake and its KV pages and KDA states were
     written into the decode server's pools at the wrong sizes or read as the wrong dtype; the
     mismatches upstream does check (page size, KV dtype) raised in the scheduler loop and took
-    the decode server down on its first request.
+    the decode server down on its first request. And the router sends each request to both
+    servers at once: when the decode side fails a request at its handshake (a refused prefill
+    server, from the kept verdict, in well under a millisecond) its abort notice could reach the
+    prefill server before that server registered the request's room; upstream drops a notice for
+    an unknown room, so the prefill half waited for a handshake that never came, up to its
+    bootstrap timeout (300 s), and the client with it (seen: 120 s client timeouts in
+    ``tests/server/test_pd.py``, 2 of 2 reproductions and one CI run).
 How: after upstream's look-up, the decode server reads the prefill server's ``/server_info``
     once per prefill server (its HTTP port comes in ``PrefillServerInfo``) and compares the
     settings of :data:`sglang_kda.pd_check.MUST_AGREE` with its own; upstream's ``RuntimeError``
@@ -19,10 +29,16 @@ How: after upstream's look-up, the decode server reads the prefill server's ``/s
     client's error names the flags, the decode log has it once per prefill server) and the
     prefill server is sent upstream's abort notification, so its half ends at once. Neither
     server stops; a prefill server restarted with the right flags is checked again after the
-    heartbeat drops the old one. Only in PD servers (``SGLANG_KDA_PD=1``); any policy, engine.
-Seam: rebinding two methods (upstream's kept as ``__wrapped__``).
+    heartbeat drops the old one. On a prefill server, an abort notice for a room it does not
+    know is kept (:class:`sglang_kda.pd_check.EarlyAborts`, for the bootstrap timeout) and the
+    room fails as soon as it is registered, with a reason saying so; upstream then ends the
+    request as for any failed bootstrap. Only in PD servers (``SGLANG_KDA_PD=1``); any policy,
+    engine.
+Seam: rebinding four methods (upstream's kept as ``__wrapped__``).
 Remove when: SGLang's bootstrap exchange compares the state pools' dtypes and item sizes and
-    fails the request rather than the decode scheduler.
+    fails the request rather than the decode scheduler, and keeps an early abort for every
+    allocation policy (its ``DeferredBootstrap`` does, for ``prefill_complete`` only, which
+    refuses state pools).
 """
 
 from __future__ import annotations
@@ -35,7 +51,12 @@ import os
 from sglang_kda.patches.disaggregation_mooncake import PD_ENV
 
 UPSTREAM = "sglang.srt.disaggregation.common.conn"
-TARGETS = ("CommonKVManager.try_ensure_parallel_info", "CommonKVReceiver.init")
+TARGETS = (
+    "CommonKVManager.try_ensure_parallel_info",
+    "CommonKVReceiver.init",
+    "CommonKVManager._make_worker_recv",
+    "CommonKVManager.update_status",
+)
 _REFUSED = "_sglang_kda_refused"  # on the KV manager: {bootstrap_addr: refusal}
 
 logger = logging.getLogger(__name__)
@@ -45,53 +66,9 @@ def wanted(ctx) -> bool:
     return os.environ.get(PD_ENV) == "1"
 
 
-def _own_settings() -> tuple[dict, str]:
-    """This decode server's settings, and the state dtype of its model's config."""
-    from sglang.srt.runtime_context import get_server_args
-
-    from sglang_kda.launch_server import _model_config_json, resolved
-    from sglang_kda.pd_check import model_ssm_dtype, transfer_settings
-
-    args = get_server_args()
-    ssm = model_ssm_dtype(_model_config_json(str(resolved(args, "model_path"))))
-    return transfer_settings(lambda field: resolved(args, field), ssm), ssm
-
-
-def _prefill_settings(conn, bootstrap_addr: str, info, ssm: str) -> dict | None:
-    import requests
-
-    from sglang_kda.pd_check import transfer_settings
-
-    if info.prefill_http_port is None:
-        return None
-    host = conn.NetworkAddress.parse(bootstrap_addr).host
-    url = conn.NetworkAddress(host, info.prefill_http_port).to_url() + "/server_info"
-    try:
-        return transfer_settings(requests.get(url, timeout=10).json(), ssm)
-    except Exception as e:  # noqa: BLE001 - unchecked, said in the log
-        logger.warning("sglang_kda: could not read %s to check the PD flags: %s", url, e)
-        return None
-
-
-def _adopt_route(conn, mgr, bootstrap_addr: str) -> bool:
-    """Upstream raised on its own check: take the prefill's info as upstream reads it, so that
-    requests can reach the prefill server with their refusal."""
-    import requests
-
-    url = f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
-    url += "target_tp_rank=-1&target_pp_rank=-1"
-    try:
-        info = conn.PrefillServerInfo(**requests.get(url, timeout=5).json())
-        mgr._resolve_rank_mapping(info)
-    except Exception as e:  # noqa: BLE001 - upstream's retries then fail the requests
-        logger.error("sglang_kda: prefill info from %s: %s", bootstrap_addr, e)
-        return False
-    mgr.prefill_info_table[bootstrap_addr] = info
-    return True
-
-
 def apply(ctx) -> None:
     from sglang_kda import pd_check
+    from sglang_kda.wiring import pd
 
     conn = importlib.import_module(UPSTREAM)
     manager, receiver = conn.CommonKVManager, conn.CommonKVReceiver
@@ -100,7 +77,7 @@ def apply(ctx) -> None:
     ensure, init = manager.try_ensure_parallel_info, receiver.init
 
     @functools.wraps(ensure)
-    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:  # decode side
         if bootstrap_addr in self.prefill_info_table:
             return True
         upstream_error = None
@@ -109,11 +86,11 @@ def apply(ctx) -> None:
                 return False
         except RuntimeError as e:  # raised in the decode scheduler's loop, it stopped the server
             upstream_error = str(e)
-            if not _adopt_route(conn, self, bootstrap_addr):
+            if not pd.adopt_route(conn, self, bootstrap_addr):
                 return False
         info = self.prefill_info_table[bootstrap_addr]
-        ours, ssm = _own_settings()
-        theirs = _prefill_settings(conn, bootstrap_addr, info, ssm)
+        ours, ssm = pd.own_settings()
+        theirs = pd.prefill_settings(conn, bootstrap_addr, info, ssm)
         lines = pd_check.mismatches(theirs, ours) if theirs else []
         if upstream_error:
             lines.append(f"SGLang: {upstream_error}")
@@ -138,3 +115,36 @@ def apply(ctx) -> None:
 
     manager.try_ensure_parallel_info = try_ensure_parallel_info
     receiver.init = init_
+    _keep_early_aborts(conn, manager)
+
+
+def _keep_early_aborts(conn, manager) -> None:  # prefill side
+    from sglang_kda.wiring import pd
+
+    if hasattr(manager.update_status, "__wrapped__"):
+        return
+    make_recv, update = manager._make_worker_recv, manager.update_status
+
+    @functools.wraps(make_recv)
+    def _make_worker_recv(self, *args, **kwargs):
+        recv = make_recv(self, *args, **kwargs)
+        book = pd.early_aborts(conn, self)
+        if book is None:
+            return recv
+
+        def recv_noting_early_aborts():
+            msg = recv()
+            pd.note_early_abort(conn, self, book, msg)
+            return msg
+
+        return recv_noting_early_aborts
+
+    @functools.wraps(update)
+    def update_status(self, bootstrap_room: int, status):
+        opening = bootstrap_room not in self.request_status
+        update(self, bootstrap_room, status)
+        if opening and status == conn.KVPoll.Bootstrapping:
+            pd.fail_if_aborted_early(conn, self, bootstrap_room, update)
+
+    manager._make_worker_recv = _make_worker_recv
+    manager.update_status = update_status
