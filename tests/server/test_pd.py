@@ -46,6 +46,7 @@ import os
 import signal
 import sys
 import socket
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -114,20 +115,30 @@ def _port_source():
     return next_free
 
 
+def _router_args(prefill: Server, bootstrap_port: int, decode: Server) -> list[str]:
+    return ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port),
+            "--decode", decode.url]  # fmt: skip
+
+
 class PDRouter(Router):
     """SGLang's router in PD mode: ``--pd-disaggregation --prefill URL BOOTSTRAP --decode URL``
-    (no retries, see the module docstring); ready once both servers are healthy."""
+    (no retries, see the module docstring), through ``sglang_kda.launch_router`` as in
+    docs/scale-out.md (``check``: its start-up check of the pair's flags); ready once both
+    servers are healthy."""
 
-    def __init__(self, prefill: Server, bootstrap_port: int, decode: Server, log) -> None:
+    def __init__(
+        self, prefill: Server, bootstrap_port: int, decode: Server, log, check: bool = True
+    ) -> None:
         self.name, self.n_workers = "pd-router", 2
         self.port = sk_harness.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log, self.ready_s = log, float("nan")
         self._stop_grace_s, self._stopped = STOP_GRACE_S, False
         cmd = [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap_port),
-            "--decode", decode.url, "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", "sglang_kda.launch_router",
+            *_router_args(prefill, bootstrap_port, decode),
+            "--kda-pd-check", "on" if check else "off",
+            "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(sk_harness.free_port()),
             "--worker-startup-check-interval", "1", "--disable-retries",
         ]  # fmt: skip
@@ -147,10 +158,17 @@ class PD:
     def server(self, name: str) -> Server:
         return self._futures[name].result()
 
+    def bootstrap(self, name: str) -> int:
+        return self._bootstraps[name]
+
     def _router(self, name: str) -> PDRouter:
         prefill, decode = self.server(name), self.server("decode")
         log = self.log_dir / f"router-{name}.log"
-        return PDRouter(prefill, self._bootstraps[name], decode, log)
+        # the mismatched pair's router skips its start-up check (which refuses the pair, see
+        # test_mismatched_prefill_is_refused_naming_the_flag): the decode server's own check
+        # at the first request is under test there
+        check = name != "mismatched"
+        return PDRouter(prefill, self._bootstraps[name], decode, log, check)
 
     def pair(self, name: str) -> tuple[PDRouter, Server, Server]:
         """(router, prefill server ``name``, decode server)."""
@@ -296,6 +314,19 @@ def _flushed_occupancy(server: Server) -> tuple[dict, float]:
 
 def test_mismatched_prefill_is_refused_naming_the_flag(pd_servers, prompts):
     router, prefill, decode = pd_servers.pair("mismatched")
+    # At the router's start: sglang_kda.launch_router refuses the pair, naming the flag.
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kda.launch_router",
+         *_router_args(prefill, pd_servers.bootstrap("mismatched"), decode),
+         "--host", "127.0.0.1", "--port", str(sk_harness.free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    print(f"[pd] router start on the mismatched pair: exit {out.returncode} after "
+          f"{time.monotonic() - t0:.1f}s: {out.stderr.strip()[-400:]}", flush=True)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert f"{MISMATCH[0]}: prefill 'bfloat16', decode 'float32'" in out.stderr
+    # At the first request, for a router started without that check (the decode server's own):
     decode_before, _ = _flushed_occupancy(decode)
     prefill_before, _ = _flushed_occupancy(prefill)
     log_start = decode.log.stat().st_size
