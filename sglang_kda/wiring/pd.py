@@ -100,4 +100,4 @@ def fail_if_aborted_early(
     if book is not None and book.take(room):
         mgr.record_failure(room, pd_check.EARLY_ABORT_REASON)
         update(mgr, room, conn.KVPoll.Failed)
-        logger.info("sglang_kda: room %s: %s", room, pd_check.EARLY_ABORT_REASON)
+        logger.warning("sglang_kda: room %s: %s", room, pd_check.EARLY_ABORT_REASON)
