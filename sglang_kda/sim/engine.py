@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from sglang_kda.cache import eviction as eviction_mod
+from sglang_kda.cache import probe as probe_mod
 from sglang_kda.config import KDAConfig, budget_config
 from sglang_kda.sim.tree import RadixTree
 
@@ -357,6 +358,13 @@ class Rank:
         (its whole prompt: FCFS does not match waiting prefixes)."""
         return len(r.ids)
 
+    def _probe(self, r: SimReq) -> int:
+        """What the admission match would grant ``r`` now, without touching the tree (no
+        recency, no host promotion): the deepest device checkpoint on its path within
+        :meth:`_limit`, as :func:`sglang_kda.cache.probe.cached_prefix` reads the server's."""
+        limit = self._limit(r)
+        return max((d for d in self.tree.checkpoint_positions(r.ids) if d <= limit), default=0)
+
     def _relock(self, r: SimReq, node) -> None:
         self.tree.lock(node)
         if r.node is not None:
@@ -375,8 +383,13 @@ class Rank:
         paced = False
         if self.planner is not None:
             # the server's view of the queue (wiring.budget.round_queue): waiting requests in
-            # queue order, then the in-flight one
-            queue = [(r.rid, r.prefix) for r in self.waiting]
+            # queue order, each with the prefix its last admission match set or else what the
+            # cache would grant now (the same rule, probe_mod.planned_done; the look changes
+            # nothing in the tree), then the in-flight one
+            done = probe_mod.planned_done(
+                [r.prefix for r in self.waiting], lambda i: self._probe(self.waiting[i])
+            )
+            queue = [(r.rid, d) for r, d in zip(self.waiting, done)]
             queue += [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
             dec = self.planner.decide(
                 self.cost,

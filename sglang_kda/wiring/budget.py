@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from sglang_kda.cache.probe import cached_prefix, planned_done
 from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import (
@@ -571,9 +572,23 @@ def refuse(waiting_queue: Iterable[Any], refused: dict) -> None:
 def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
     """The planner's view of the queue: (rid, prompt tokens done) of every waiting request,
     then the in-flight chunked one (its progress is booked after each step, so 0 here); and the
-    in-flight rid."""
+    in-flight rid.
+
+    A waiting request's tokens done are its ``prefix_len`` where SGLang set it (a request its
+    admission pass reached in an earlier round); otherwise what the KDA checkpoint cache would
+    grant it now (:func:`sglang_kda.cache.probe.cached_prefix`, a read-only look: SGLang's own
+    match runs only in the admission pass, after the plan), for the first
+    :data:`~sglang_kda.cache.probe.PROBE_LIMIT` such requests (:func:`~sglang_kda.cache.probe.
+    planned_done`). Without it a prompt with most of its tokens cached is planned as a cold one
+    (issue 30)."""
     chunked = sched.chunked_req
-    queue = [(r.rid, getattr(r, "prefix_len", 0) or 0) for r in sched.waiting_queue]
+    waiting = list(sched.waiting_queue)
+    tree = getattr(sched, "tree_cache", None)
+    done = planned_done(
+        [getattr(r, "prefix_len", 0) or 0 for r in waiting],
+        lambda i: cached_prefix(tree, waiting[i]),
+    )
+    queue = [(r.rid, d) for r, d in zip(waiting, done)]
     if chunked is not None:
         queue.append((chunked.rid, 0))
     return queue, (chunked.rid if chunked is not None else None)
