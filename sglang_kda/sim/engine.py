@@ -329,13 +329,18 @@ class Rank:
                 self.wake = True  # the next round pays the wake-up after a pause
             self.now = max(self.now, t)
         r.rank, r.enqueued, r.state = self.id, t, "waiting"
-        self.waiting.append(r)
         if self.planner is not None:
+            # booked with the prefix the planner's queue gives it (the server books a newcomer
+            # with its round_queue entry: probe_mod.planned_done's rule, its place among the
+            # waiting requests no admission matched yet)
+            unmatched = sum(1 for w in self.waiting if not w.prefix)
+            done = self._probe(r) if unmatched < probe_mod.PROBE_LIMIT else 0
             _, infeasible = self.planner.book.admit(
-                self.cost, r.rid, t, len(r.ids), 0, r.deadline_s, arrival=r.arrival
+                self.cost, r.rid, t, len(r.ids), done, r.deadline_s, arrival=r.arrival
             )
             if infeasible:
                 self.infeasible.append(r.rid)
+        self.waiting.append(r)
 
     # -- cuts ---------------------------------------------------------------------------------
     def _cut(self, st, prefix: int, budget: int, remaining: int) -> int:

@@ -265,16 +265,23 @@ class BudgetRuntime:
         total: int,
         override_s: Optional[float] = None,
         arrival: Optional[float] = None,
+        done: int = 0,
     ) -> Optional[str]:
-        """Book a new prefill of ``total`` prompt tokens; flag it when it cannot meet its deadline
-        even alone. Returns the abort message when it is refused (``reject``), else ``None``."""
+        """Book a new prefill of ``total`` prompt tokens, ``done`` of them cached (the planner's
+        queue: :func:`round_queue`); flag it when it cannot meet its deadline even alone. Returns
+        the abort message when it is refused (``reject``), else ``None``.
+
+        Booked with its cached prefix, a cache hit's time alone (the pace the progress floor
+        holds it to, :func:`sglang_kda.policy.budget.progress_floor`) is that of what it has
+        left: booked cold, the hit seemed to have banked the time of the tokens it skipped, and
+        the floor let the budget cut it to one grid step a round (issue 30's probe run)."""
         if rid in self.book.live:
             return None
-        p, infeasible = self.book.admit(self.model, rid, now, total, 0, override_s, arrival)
+        p, infeasible = self.book.admit(self.model, rid, now, total, done, override_s, arrival)
         if not infeasible:
             return None
         _inc("infeasible")
-        alone = self.model.alone_time(0, total, self.cfg.max_slice)
+        alone = self.model.alone_time(done, total, self.cfg.max_slice)
         msg = (
             f"ttft deadline {(p.deadline - now) * 1e3:.0f} ms cannot be met: the {total}-token "
             f"prompt needs about {alone * 1e3:.0f} ms alone ({DEADLINE_FIELD})"
@@ -295,14 +302,16 @@ class BudgetRuntime:
         newcomers: Iterable[tuple[str, int, Optional[float], float]] = (),
     ) -> Orders:
         """One round on every TP rank. The leader books ``newcomers`` (rid, prompt tokens, own
-        deadline or ``None``, arrival; see :meth:`admit`) and plans (:meth:`decide`); with
-        something in ``queue`` its orders are shared, and the other ranks count what they apply.
-        Every rank must call this with the same ``queue`` (SGLang keeps the ranks' queues equal)."""
+        deadline or ``None``, arrival; see :meth:`admit`; their tokens done as ``queue`` gives
+        them) and plans (:meth:`decide`); with something in ``queue`` its orders are shared, and
+        the other ranks count what they apply. Every rank must call this with the same ``queue``
+        (SGLang keeps the ranks' queues equal)."""
         orders = None
         if self.leader:
             refused = {}
+            done = dict(queue)
             for rid, total, override_s, arrival in newcomers:
-                msg = self.admit(rid, now, total, override_s, arrival)
+                msg = self.admit(rid, now, total, override_s, arrival, done.get(rid, 0))
                 if msg:
                     refused[rid] = msg
             orders = Orders(self.decide(now, decode_ctx, queue, inflight), refused)

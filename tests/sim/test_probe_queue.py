@@ -61,3 +61,14 @@ def test_the_planner_sees_the_probe_for_an_unmatched_waiting_request():
     rank.step()
     assert seen[0] == [("hit", 1024), ("cold", 0)]  # before the admission pass matched either
     assert hit.cached_admission == 1024 and rank.tree.clock > clock  # then admission did
+
+
+def test_a_request_is_booked_with_its_probe():
+    rank = _rank()
+    hit = SimReq(rid="hit", ids=A + tuple(range(5000, 5230)), out=1, arrival=0.0)
+    cold = SimReq(rid="cold", ids=(7,) * 1254, out=1, arrival=0.0)
+    rank.enqueue(hit, 0.0)
+    rank.enqueue(cold, 0.0)
+    book = rank.planner.book.live
+    assert (book["hit"].done, book["cold"].done) == (1024, 0)
+    assert book["hit"].alone_s < book["cold"].alone_s

@@ -42,3 +42,27 @@ def test_planned_done_probes_the_first_unmatched_requests_only():
 def test_round_queue_without_a_tree_plans_cold_prompts():
     sched = NS(waiting_queue=[NS(rid="w", prefix_len=0)], chunked_req=None, tree_cache=None)
     assert rt.round_queue(sched) == ([("w", 0)], None)
+
+
+def test_a_newcomer_is_booked_with_the_prefix_its_queue_entry_gives():
+    """Booked cold, a cache hit's time alone is the whole prompt's, and the progress floor
+    (which holds a prompt to ``max_slowdown`` x its time alone) lets the budget cut what it has
+    left to one grid step a round (issue 30's first probe run: hits took 2-4 rounds)."""
+    from sglang_kda.config import KDAConfig
+
+    runtime = rt.open_runtime(
+        KDAConfig.from_env(),
+        kda_layers=3,
+        mla_layers=1,
+        chunked_prefill_size=512,
+        page_size=1,
+        model_path="m",
+        device="cpu",
+        dtype="float32",
+    )
+    queue = [("hit", 1024), ("cold", 0)]
+    fresh = [("hit", 1254, None, 0.0), ("cold", 1254, None, 0.0)]
+    runtime.plan(0.0, [1300, 1350], queue, None, fresh)
+    hit, cold = runtime.book.live["hit"], runtime.book.live["cold"]
+    assert (hit.done, cold.done) == (1024, 0)
+    assert hit.alone_s < cold.alone_s
