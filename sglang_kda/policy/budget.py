@@ -23,7 +23,9 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   ``max_round_s`` the largest whose round fits it (:func:`lone_slice`), so an arrival waits
   for one short round, not one chunk-sized round.
 * **Finishing rounds**: a cut that would leave less than one grid step takes the whole prompt
-  (:func:`whole_within_step`). When the round finishes the head (``share`` covers what it has
+  (:func:`whole_within_step`), and so does a cut whose later rounds would delay the prompt's
+  first token more than the whole remainder delays this round's decode tokens, when that round
+  stays within 2.5x the round budget (:func:`finish_whole`). When the round finishes the head (``share`` covers what it has
   left), nothing else waits to prefill and decode ran the round before, the prompt runs without
   the decode tokens if they would delay its first token more than one round's wait delays them
   (``finish``, :func:`finish_first`; on the CPU engine, where decode costs per stream); decode
@@ -530,6 +532,42 @@ def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
     return p.remaining if 0 < p.total - end < grid else tokens
 
 
+FINISH_STRETCH = 2.5
+"""A round that finishes a prompt may be predicted at up to this x the round budget
+(:func:`finish_whole`; the budget is already divided by the slow factor)."""
+
+
+def finish_whole(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    tokens: int,
+    budget: float,
+    cfg: BudgetConfig,
+) -> bool:
+    """Whether the round should take all ``p`` has left instead of cutting it at ``tokens``.
+
+    Cut, ``p``'s first token comes one or more rounds later: each such round costs the fixed
+    round time (overhead, extend path, the decode tokens), which a whole remainder does not pay
+    again. Whole, the decode tokens riding along this round wait for the rest of the prompt's
+    work instead. The prompt takes its whole remainder when it gains more than one decode gap
+    loses, and when that round is predicted within :data:`FINISH_STRETCH` x the round budget
+    (so the rule cannot make a long gap: a cache hit's few hundred tokens, a prompt's last
+    slice). Found on bench_serving's shared-prefix run (issue 30): a hit of ~230 tokens after a
+    1,024-token cached prefix was cut at 128-192 tokens and took 2-3 rounds, 11-12 of 29 hits
+    per run, each paying a round's fixed cost again before its first token.
+    """
+    if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
+        return False
+    ctx = tuple(decode_ctx)
+    whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
+    if whole > FINISH_STRETCH * budget:
+        return False
+    cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
+    gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
+    return gain > whole - cut
+
+
 def finish_first(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
 ) -> bool:
@@ -588,6 +626,8 @@ def plan_round(
     )
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
     share = whole_within_step(head, share, cfg.grid)
+    if finish_whole(model, decode_ctx, head, share, budget, cfg):
+        share = head.remaining
     if (
         since_slice is not None
         and cfg.pace_every > 1
