@@ -25,11 +25,11 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
 * **Finishing rounds**: a cut that would leave less than one grid step takes the whole prompt
   (:func:`whole_within_step`), and so does a cut whose later rounds would delay the prompt's
   first token more than the whole remainder delays this round's decode tokens, when that round
-  stays within 2.5x the round budget (:func:`finish_whole`). When the round finishes the head (``share`` covers what it has
-  left), nothing else waits to prefill and decode ran the round before, the prompt runs without
-  the decode tokens if they would delay its first token more than one round's wait delays them
-  (``finish``, :func:`finish_first`; on the CPU engine, where decode costs per stream); decode
-  runs the next round.
+  stays within 2.5x the round budget (:func:`finish_whole`). When the round finishes the head
+  (``share`` covers what it has left), nothing else waits to prefill and decode ran the round
+  before, the prompt runs without the decode tokens if they would delay its first token more
+  than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
+  decode costs per stream); decode runs the next round.
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
