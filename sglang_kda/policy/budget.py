@@ -29,7 +29,8 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   (``share`` covers what it has left), nothing else waits to prefill and decode ran the round
   before, the prompt runs without the decode tokens if they would delay its first token more
   than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
-  decode costs per stream); decode runs the next round.
+  decode costs per stream); decode runs the next round. A round that finishes a waiting head
+  leaves its spare time to the prefills behind it (:func:`room_behind`).
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -604,7 +605,67 @@ def plan_round(
     model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
     before this one (``None``: a prefill that must run alone never lets decode in,
     :func:`interleave_due`)."""
-    decode_ctx = ctx_tuple(decode_ctx)  # once: every prediction below reuses the tuple
+    decode_ctx = ctx_tuple(decode_ctx)
+    plan = _plan_head(
+        model, cfg, now, decode_ctx, prefills, inflight, since_slice, slice_overshoots,
+        since_decode,
+    )  # fmt: skip
+    return room_behind(model, cfg, plan, prefills, inflight)
+
+
+def room_behind(
+    model: CostModel,
+    cfg: BudgetConfig,
+    plan: Plan,
+    prefills: Sequence[Prefill],
+    inflight: str | None,
+) -> Plan:
+    """``plan`` with the round's tokens raised past its head's remainder when the round finishes
+    a waiting head and others wait behind it: the time the round has left (its budget, or
+    ``max_round_s`` with no decode running; the largest slice without either) goes to them, as a
+    cold first slice from token 0 would take it. SGLang admits the head first and cuts the
+    round's chunk budget across the requests in queue order, so without this a cache hit with
+    230 tokens left made a round of 230 tokens for everyone. Found on the Mooncake trace in the
+    simulator (issue 30): once the planner saw waiting prompts' cached prefixes, kda computed
+    0.768 of the prompt tokens (1.080x ideal) against 0.747 with a cold view of them, which
+    had sized such rounds as for a cold prompt. The in-flight request's rounds are sized by
+    :func:`sglang_kda.policy.round.round_tokens` (``make_room``) instead."""
+    if inflight is not None or plan.rid is None or plan.mode not in ("share", "prefill_only"):
+        return plan
+    head = next((p for p in prefills if p.rid == plan.rid), None)
+    if head is None or plan.tokens < head.remaining:
+        return plan
+    if not any(p.remaining > 0 and p is not head for p in prefills):
+        return plan
+    if plan.mode == "share":
+        left = plan.budget_s - plan.predicted_s
+    elif cfg.max_round_s > 0:
+        left = cfg.max_round_s / cfg.slow - plan.predicted_s
+    else:
+        left = math.inf
+    if left <= 0:
+        return plan
+    if math.isinf(left):
+        extra = cfg.max_slice
+    else:
+        # at least one grid step, as any slice (the budget is overspent by one step at most)
+        extra = fit_slice(model, (), 0, cfg.max_slice, left, cfg.grid, cfg.max_slice)
+    tokens = min(plan.tokens + extra, max(plan.tokens, cfg.max_slice))
+    return replace(plan, tokens=tokens)
+
+
+def _plan_head(
+    model: CostModel,
+    cfg: BudgetConfig,
+    now: float,
+    decode_ctx: tuple,
+    prefills: Sequence[Prefill],
+    inflight: str | None,
+    since_slice: int | None,
+    slice_overshoots: bool,
+    since_decode: int | None,
+) -> Plan:
+    """The plan for the round's head (:func:`plan_round` without :func:`room_behind`)."""
     budget = round_budget(model, decode_ctx, cfg)
     pending = [p for p in prefills if p.remaining > 0]
     if not pending:

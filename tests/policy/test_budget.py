@@ -901,3 +901,26 @@ def test_a_hits_remainder_is_taken_whole_when_its_later_rounds_cost_more():
     assert not finish_whole(MODEL, (), hit, share, budget, cfg)
     # already whole
     assert not finish_whole(MODEL, DECODE, hit, rest, budget, cfg)
+
+
+def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
+    """room_behind (issue 30): a waiting cache hit with a few tokens left heads the round; the
+    round's tokens go past its remainder so the requests behind it use the rest of the budget
+    (SGLang cuts the round's chunk budget across the queue in order)."""
+    from sglang_kda.policy.budget import room_behind
+
+    cfg = replace(CFG, max_slowdown=0)
+    hit = Prefill("hit", deadline=1e9, done=1024, total=1024 + 64)
+    cold = Prefill("cold", deadline=1e9, done=0, total=3000)
+    plan = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold])
+    assert plan.rid == "hit" and plan.mode == "share"
+    assert plan.tokens > hit.remaining  # room for the cold prompt behind it
+    head_only = room_behind(MODEL, cfg, replace(plan, tokens=hit.remaining), [hit], None)
+    assert head_only.tokens == hit.remaining  # nobody behind: unchanged
+    # the extra is a cold first slice fitting the time the head's round leaves
+    left = plan.budget_s - plan.predicted_s
+    extra = fit_slice(MODEL, (), 0, cfg.max_slice, left, cfg.grid, cfg.max_slice)
+    assert plan.tokens == hit.remaining + extra
+    # an in-flight request's rounds are sized elsewhere (round_tokens): unchanged
+    chunked = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold], inflight="hit")
+    assert chunked.tokens == hit.remaining
