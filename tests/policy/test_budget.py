@@ -909,9 +909,15 @@ def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
     (SGLang cuts the round's chunk budget across the queue in order)."""
     from sglang_kda.policy.budget import room_behind
 
-    cfg = replace(CFG, max_slowdown=0)
     hit = Prefill("hit", deadline=1e9, done=1024, total=1024 + 64)
     cold = Prefill("cold", deadline=1e9, done=0, total=3000)
+    # a budget the hit's round nearly fills: not even one grid step of the cold prompt fits,
+    # and the round is not stretched for one
+    tight = replace(CFG, max_slowdown=0)
+    plan = plan_round(MODEL, tight, 0.0, DECODE, [hit, cold])
+    assert plan.rid == "hit" and plan.budget_s - plan.predicted_s < 0.005
+    assert plan.tokens == hit.remaining
+    cfg = replace(CFG, max_slowdown=0, itl_target_s=0.1)  # room to spare
     plan = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold])
     assert plan.rid == "hit" and plan.mode == "share"
     assert plan.tokens > hit.remaining  # room for the cold prompt behind it
