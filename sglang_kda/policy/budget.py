@@ -620,16 +620,17 @@ def room_behind(
     prefills: Sequence[Prefill],
     inflight: str | None,
 ) -> Plan:
-    """``plan`` with the round's tokens raised past its head's remainder when the round finishes
-    a waiting head and others wait behind it: the time the round has left (its budget, or
+    """``plan`` with the round's tokens raised past its head's remainder when the round finishes a
+    waiting head and others wait behind it: the time the round has left (its budget, or
     ``max_round_s`` with no decode running; the largest slice without either) goes to them, as a
     cold first slice from token 0 would take it, when at least one grid step of it fits. SGLang
     admits the head first and cuts the round's chunk budget across the requests in queue order,
-    so without this a cache hit with 230 tokens left made a round of 230 tokens for everyone. Found on the Mooncake trace in the
-    simulator (issue 30): once the planner saw waiting prompts' cached prefixes, kda computed
-    0.768 of the prompt tokens (1.080x ideal) against 0.747 with a cold view of them, which
-    had sized such rounds as for a cold prompt. The in-flight request's rounds are sized by
-    :func:`sglang_kda.policy.round.round_tokens` (``make_room``) instead."""
+    so without this a cache hit with 230 tokens left made a round of 230 tokens for everyone.
+    Found on the Mooncake trace in the simulator (issue 30): once the planner saw waiting
+    prompts' cached prefixes, kda computed 0.768 of the prompt tokens (1.080x ideal) against
+    0.747 with a cold view of them, which had sized such rounds as for a cold prompt. The
+    in-flight request's rounds are sized by :func:`sglang_kda.policy.round.round_tokens`
+    (``make_room``) instead."""
     if inflight is not None or plan.rid is None or plan.mode not in ("share", "prefill_only"):
         return plan
     head = next((p for p in prefills if p.rid == plan.rid), None)
