@@ -172,7 +172,9 @@ def test_branch_ends_go_last():
     score orders them. A state whose only heir is outside the candidates (locked by a live
     request) is interior: ``heirs`` counts every state."""
     cs = chain([704, 1408, 2112]) + [
-        cand(3, 704, t=0), cand(4, 768, 704, t=1, anc_id=3), cand(5, 64, t=9)
+        cand(3, 704, t=0),
+        cand(4, 768, 704, t=1, anc_id=3),
+        cand(5, 64, t=9),
     ]
     # interior 0, 3, 1 first (score order), then the ends 4, 2, 5 (score order)
     assert pick_victims(cs, 6, 1.0, bonus=STRICT) == [0, 3, 1, 4, 2, 5]
@@ -362,66 +364,8 @@ def test_stale_book_entries_are_dropped():
 # --- the wiring against SGLang's own UnifiedRadixCache, Python and Rust tree cores ---
 
 
-@pytest.fixture(scope="module")
-def real_cache_factory():
-    """Builds SGLang's ``UnifiedRadixCache`` (FULL + MAMBA, CPU) with the chosen tree core
-    through SGLang's own unit-test kit (its Rust inspection build is absent from the wheel, so
-    the plain Rust core stands in for it)."""
-    import sys
-    import types
-    from unittest import mock
-
-    import sglang_kda  # noqa: F401 - import guards before SGLang
-
-    kit = pytest.importorskip("sglang.test.kits.unified_radix_cache.fixtures")
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.test.kits.unified_radix_cache.config import CacheConfig
-
-    def build(backend: str):
-        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
-
-        name = "sglang.test.kits.unified_radix_cache.rust_unified_tree_core_inspector"
-        stand_in = types.ModuleType(name)
-        stand_in.RustUnifiedTreeCoreInspector = RustUnifiedTreeCore
-        cfg = CacheConfig(
-            components=(ComponentType.FULL, ComponentType.MAMBA),
-            kv_size=20000,
-            max_context_len=2048,
-            mamba_cache_size=40,
-        )
-        with (
-            mock.patch.object(kit, "get_device", return_value="cpu"),
-            mock.patch.object(kit, "UnifiedTreeCoreInspectionInterface", object),
-            mock.patch.dict(sys.modules, {name: stand_in}),
-        ):
-            cache, allocator, pool = kit.build_fixture(
-                cfg, tree_core_backend=backend, mamba_cache_chunk_size=64
-            )
-        want = "RustUnifiedTreeCore" if backend == "rust" else "UnifiedTreeCore"
-        if want not in [c.__name__ for c in type(cache.tree_core).__mro__]:
-            pytest.skip(f"the {backend} tree core is not available here")
-        return cache, allocator, pool
-
-    return build
-
-
-def _insert(cache, allocator, pool, seq):
-    from array import array
-
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    from sglang_kda.cache.checkpoints import note_state
-
-    value = allocator.alloc(len(seq))
-    slot = pool.mamba_allocator.alloc(1)
-    res = cache.insert(InsertParams(key=RadixKey(array("q", seq)), value=value, mamba_value=slot))
-    note_state(cache, res.last_device_node, len(seq))
-    return res.last_device_node
-
-
 @pytest.mark.parametrize("backend", ["python", "rust"])
-def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend):
+def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend, insert_state):
     from sglang_kda.cache.checkpoints import (
         enforce_pool_size,
         eviction_candidates,
@@ -432,7 +376,7 @@ def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend)
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
     for k in range(1, 17):  # a chain 64..1024, shallow first
-        _insert(cache, allocator, pool, tokens[: 64 * k])
+        insert_state(cache, allocator, pool, tokens[: 64 * k])
     assert held_states(cache) == 16 == cache.all_mamba_values_flatten().numel()
     cands = eviction_candidates(cache)
     assert sorted((c.depth, c.ancestor_depth) for c in cands) == [
@@ -448,7 +392,7 @@ def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend)
     assert report["tree_states"] == report["counted_states"] == 8 == report["slots_in_use"]
 
 
-def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_factory):
+def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_factory, insert_state):
     """SGLang's ``cache_finished_req`` hands a finished request's slot to the tree and leaves
     ``mamba_pool_idx`` set; the request stays in the running batch until the next step filters
     it. The check must not call that slot shared (CI run of 509388a failed on it), and must still
@@ -458,7 +402,7 @@ def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_fac
     from sglang_kda.cache.checkpoints import IntegrityError, _mamba_type, integrity_report
 
     cache, allocator, pool = real_cache_factory("python")
-    node = _insert(cache, allocator, pool, list(range(1, 129)))
+    node = insert_state(cache, allocator, pool, list(range(1, 129)))
     slot = cache.tree_core.get_component_device_value(node, _mamba_type())
     assert slot is not None
 
@@ -473,7 +417,9 @@ def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_fac
 
 
 @pytest.mark.parametrize("backend", ["python", "rust"])
-def test_real_tree_candidates_do_not_depend_on_the_books_depths(real_cache_factory, backend):
+def test_real_tree_candidates_do_not_depend_on_the_books_depths(
+    real_cache_factory, backend, insert_state
+):
     """The walk visits states deepest first by the book's depths, one root path per branch;
     depths and ancestors come from the paths, so forgotten or wrong book depths change nothing."""
     from sglang_kda.cache.checkpoints import eviction_candidates, state_book
@@ -481,9 +427,9 @@ def test_real_tree_candidates_do_not_depend_on_the_books_depths(real_cache_facto
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
     for k in (16, 8, 4, 12, 2):
-        _insert(cache, allocator, pool, tokens[: 64 * k])
-    _insert(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
-    _insert(cache, allocator, pool, list(range(7000, 7320)))  # a second branch at the root
+        insert_state(cache, allocator, pool, tokens[: 64 * k])
+    insert_state(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
+    insert_state(cache, allocator, pool, list(range(7000, 7320)))  # a second branch at the root
 
     def view():
         return sorted((c.depth, c.ancestor_depth) for c in eviction_candidates(cache))
@@ -502,7 +448,9 @@ def test_real_tree_candidates_do_not_depend_on_the_books_depths(real_cache_facto
 
 
 @pytest.mark.parametrize("backend", ["python", "rust"])
-def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factory, backend):
+def test_real_tree_book_survives_splits_and_spares_held_states(
+    real_cache_factory, backend, insert_state
+):
     from sglang_kda.cache.checkpoints import (
         evict_states,
         eviction_candidates,
@@ -513,8 +461,8 @@ def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factor
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
     for k in (16, 8, 4, 12, 2, 14):  # deep first: later inserts split nodes
-        _insert(cache, allocator, pool, tokens[: 64 * k])
-    held_node = _insert(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
+        insert_state(cache, allocator, pool, tokens[: 64 * k])
+    held_node = insert_state(cache, allocator, pool, tokens[:300] + list(range(5000, 5200)))
     cands = eviction_candidates(cache)
     assert len(cands) == held_states(cache) == 7
     assert sorted((c.depth, c.ancestor_depth) for c in cands) == [
@@ -533,7 +481,9 @@ def test_real_tree_book_survives_splits_and_spares_held_states(real_cache_factor
 
 
 @pytest.mark.parametrize("backend", ["python", "rust"])
-def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_factory, backend):
+def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(
+    real_cache_factory, backend, insert_state
+):
     """The state pool is full (tree states + live slots): a captured checkpoint's slot comes
     from evicting the rule's first victim, not SGLang's least recently used state."""
     from types import SimpleNamespace
@@ -545,7 +495,7 @@ def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(real_cache_
     tokens = list(range(1, 1025))
     # LRU order 512 (512 tokens past the root), 576 and 640 (one grid step each), 1024 (384).
     for k in (8, 9, 10, 16):
-        _insert(cache, allocator, pool, tokens[: 64 * k])
+        insert_state(cache, allocator, pool, tokens[: 64 * k])
     cands = eviction_candidates(cache)
     depth = {c.node_id: c.depth for c in cands}
     first = depth[pick_victims(cands, 1, 1.0)[0]]

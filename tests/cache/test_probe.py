@@ -7,10 +7,7 @@ Against SGLang's own ``UnifiedRadixCache`` (FULL + MAMBA, CPU, grid 64) with bot
 
 from __future__ import annotations
 
-import sys
-import types
 from array import array
-from unittest import mock
 
 import pytest
 
@@ -18,56 +15,18 @@ A = list(range(1, 1025))  # a 1,024-token prefix, states every 64 tokens (the gr
 
 
 @pytest.fixture(scope="module")
-def build():
-    import sglang_kda  # noqa: F401 - import guards before SGLang
-
-    kit = pytest.importorskip("sglang.test.kits.unified_radix_cache.fixtures")
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+def build(real_cache_factory, insert_state):
+    """``make(backend) -> (cache, allocator, pool, nodes)``: the tree with a chain of states at
+    64..1024 on ``A`` (``nodes``: depth -> node)."""
 
     def make(backend: str):
-        from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
-
-        # the wheel lacks the Rust inspection build: the plain Rust core stands in for it
-        name = "sglang.test.kits.unified_radix_cache.rust_unified_tree_core_inspector"
-        stand_in = types.ModuleType(name)
-        stand_in.RustUnifiedTreeCoreInspector = RustUnifiedTreeCore
-        cfg = CacheConfig(
-            components=(ComponentType.FULL, ComponentType.MAMBA),
-            kv_size=20000,
-            max_context_len=4096,
-            mamba_cache_size=40,
-        )
-        with (
-            mock.patch.object(kit, "get_device", return_value="cpu"),
-            mock.patch.object(kit, "UnifiedTreeCoreInspectionInterface", object),
-            mock.patch.dict(sys.modules, {name: stand_in}),
-        ):
-            cache, allocator, pool = kit.build_fixture(
-                cfg, tree_core_backend=backend, mamba_cache_chunk_size=64
-            )
-        want = "RustUnifiedTreeCore" if backend == "rust" else "UnifiedTreeCore"
-        if want not in [c.__name__ for c in type(cache.tree_core).__mro__]:
-            pytest.skip(f"the {backend} tree core is not available here")
+        cache, allocator, pool = real_cache_factory(backend, max_context_len=4096)
         nodes = {}  # depth -> node id
         for k in range(1, 17):  # a chain 64..1024, shallow first (64 is the LRU state)
-            nodes[64 * k] = _insert(cache, allocator, pool, A[: 64 * k])
+            nodes[64 * k] = insert_state(cache, allocator, pool, A[: 64 * k])
         return cache, allocator, pool, nodes
 
     return make
-
-
-def _insert(cache, allocator, pool, seq):
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    from sglang_kda.cache.checkpoints import note_state
-
-    value = allocator.alloc(len(seq))
-    slot = pool.mamba_allocator.alloc(1)
-    res = cache.insert(InsertParams(key=RadixKey(array("q", seq)), value=value, mamba_value=slot))
-    note_state(cache, res.last_device_node, len(seq))
-    return res.last_device_node
 
 
 def _req(ids, **kw):
