@@ -44,6 +44,7 @@ carries the corpus' bigram statistics so greedy continuations are word-like and 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -663,17 +664,24 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0) -> Path:
     if is_complete(path, seed):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    (path / MANIFEST_NAME).unlink(missing_ok=True)
-    files = _render_files(seed)
-    for name, data in files.items():
-        _write_atomic(path / name, data)
-    manifest = {
-        "generator": "sglang_kda.tiny_model",
-        "version": GENERATOR_VERSION,
-        "seed": seed,
-        "files": {n: hashlib.sha256(d).hexdigest() for n, d in sorted(files.items())},
-    }
-    _write_atomic(path / MANIFEST_NAME, _json_bytes(manifest))
+    # Several processes may build the same directory at once (parallel test workers, two
+    # servers started together): one builds under an exclusive lock, the others wait and find
+    # it complete.
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(path, seed):
+            return path
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+        files = _render_files(seed)
+        for name, data in files.items():
+            _write_atomic(path / name, data)
+        manifest = {
+            "generator": "sglang_kda.tiny_model",
+            "version": GENERATOR_VERSION,
+            "seed": seed,
+            "files": {n: hashlib.sha256(d).hexdigest() for n, d in sorted(files.items())},
+        }
+        _write_atomic(path / MANIFEST_NAME, _json_bytes(manifest))
     return path
 
 

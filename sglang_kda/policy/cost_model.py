@@ -342,7 +342,8 @@ class OnlineFit:
         refit.
     ridge: weight of the pull toward the current coefficients (in units of one step).
     ratio_window / ratio_quantile: :meth:`slow_factor` reads this quantile of measured /
-        predicted time over the last ``ratio_window`` steps that carried a prefill slice.
+        predicted time over the last ``ratio_window`` steps that carried a prefill slice
+        (``slice_steps``: their features and seconds, priced by the current model).
     """
 
     model: CostModel
@@ -360,7 +361,7 @@ class OnlineFit:
     last_error: float | None = None
     ratio_window: int = 32
     ratio_quantile: float = 0.99
-    slice_ratios: list = field(default_factory=list)
+    slice_steps: list = field(default_factory=list)
 
     def observe(self, shape: BatchShape, seconds: float) -> float:
         """Record one real step; returns its relative prediction error (before any refit)."""
@@ -371,11 +372,12 @@ class OnlineFit:
         self.last_error = err
         a = self.ema_alpha
         self.error_ema = err if self.error_ema is None else (1 - a) * self.error_ema + a * err
+        x = self.model.features(shape)
         if shape.slices:
-            self.slice_ratios.append(seconds / max(pred, 1e-9))
-            if len(self.slice_ratios) > self.ratio_window:
-                del self.slice_ratios[0]
-        self.samples_x.append(self.model.features(shape))
+            self.slice_steps.append((x, float(seconds)))
+            if len(self.slice_steps) > self.ratio_window:
+                del self.slice_steps[0]
+        self.samples_x.append(x)
         self.samples_y.append(float(seconds))
         if len(self.samples_x) > self.window:
             del self.samples_x[0], self.samples_y[0]
@@ -450,11 +452,22 @@ class OnlineFit:
 
         The fit follows a window of hundreds of steps; this follows the last few dozen. A round
         planned against it keeps its budget through a slow spell of the machine (this CPU VM
-        runs some seconds 1.5x slower) and through the steps' own spread around the fit."""
-        if len(self.slice_ratios) < self.min_samples:
+        runs some seconds 1.5x slower) and through the steps' own spread around the fit.
+
+        The steps are priced by the current model, not the one they were planned with: a refit
+        that corrects the model (a fresh server prices prefill from the prior until a dozen
+        slice steps are in the window: 3-4x under on the CPU server) also ends the slow factor
+        its errors caused, instead of holding the round budget at half for 32 more slice
+        steps."""
+        if len(self.slice_steps) < self.min_samples:
             return 1.0
-        q = float(np.quantile(self.slice_ratios, self.ratio_quantile))
-        return min(max(q, 1.0), cap)
+        return min(max(self.slice_ratio(self.ratio_quantile), 1.0), cap)
+
+    def slice_ratio(self, q: float) -> float:
+        """The ``q`` quantile of measured / predicted (current model) over the slice steps."""
+        coef = self.model.coef.as_vector()
+        ratios = [y / max(float(x @ coef), 1e-9) for x, y in self.slice_steps]
+        return float(np.quantile(ratios, q))
 
     @property
     def drifting(self) -> bool:

@@ -249,6 +249,9 @@ class BudgetRuntime:
     # (sglang_kda.wiring.round_log); None until a round is planned
     last_round: Optional[dict] = None
     last_step_s: Optional[float] = None  # the last step's measured time (the round log's too)
+    # step kinds (carries a slice, carries decode) this process has run once: the first of each
+    # is a warm-up, not fitted (:meth:`step_ran`)
+    warmed: set = field(default_factory=set)
 
     @property
     def book(self):
@@ -390,7 +393,16 @@ class BudgetRuntime:
         if shape is None:
             return
         self.last_step_s = seconds
-        self.observe(shape, seconds)
+        kind = (bool(shape.slices), bool(shape.decode_ctx))
+        if kind not in self.warmed:
+            # The first step of each kind in a process runs its kernels for the first time
+            # (SGLang's warm-up request at start: 4.2 s for 13 tokens on the CPU server, and
+            # 0.86 s for its first decode step, against ~0.03 s later). Fitted, it pinned the
+            # slow factor at its cap for the next 32 slice steps, halving every round's budget
+            # just when the first requests arrive, and bent the saved model (issue 30).
+            self.warmed.add(kind)
+        else:
+            self.observe(shape, seconds)
         self.planner.observed(seconds, bool(shape.slices), bool(shape.decode_ctx))
 
     def observe(self, shape: BatchShape, seconds: float) -> None:

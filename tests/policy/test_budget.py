@@ -659,9 +659,9 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     """With its time alone known, a prompt that ran ahead of ``max_slowdown`` x alone (early
     rounds with short context fit large slices) spends that lead: the floor drops to the
     smallest slice that still finishes by arrival + max_slowdown x alone, and the round keeps
-    its budget; a prompt behind that pace keeps the local floor. The floor never rises above
-    the local one."""
-    from sglang_kda.policy.budget import alone_time, progress_floor
+    its budget; a prompt behind that pace catches up at 1/CATCH_UP_SLOWDOWN of its local rate,
+    no further than back on pace."""
+    from sglang_kda.policy.budget import CATCH_UP_SLOWDOWN, alone_time, progress_floor
 
     slow_rounds = SLOW_ROUNDS
     cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)
@@ -674,8 +674,13 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     ahead = progress_floor(slow_rounds, DECODE, half, cfg, now=0.25 * alone)
     assert ahead < local and ahead % 64 == 0
     assert plan_round(slow_rounds, cfg, 0.25 * alone, DECODE, [half]).tokens == ahead
-    # half done at 1.5x its time alone: behind the pace, the local floor holds
-    assert progress_floor(slow_rounds, DECODE, half, cfg, now=1.5 * alone) == local
+    # half done at 1.5x its time alone: behind the pace, it catches up at the tighter rate
+    tight = replace(cfg, max_slowdown=CATCH_UP_SLOWDOWN)
+    catch_up = progress_floor(slow_rounds, DECODE, half, tight)
+    assert local < progress_floor(slow_rounds, DECODE, half, cfg, now=1.5 * alone) <= catch_up
+    # just behind it: the slice that puts it back on pace, below the catch-up floor
+    just = progress_floor(slow_rounds, DECODE, half, cfg, now=0.85 * alone)
+    assert local < just < catch_up and just % 64 == 0
     # the finish the lowered floor plans still meets the pace (with the safety margin)
     left = cfg.max_slowdown * alone - 0.25 * alone
     assert finish_time(slow_rounds, DECODE, half, ahead, cfg) * cfg.safety <= left
@@ -692,16 +697,16 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     elapsed=st.floats(0.0, 5.0),
     n_decode=st.integers(1, 8),
 )
-def test_the_paced_floor_never_exceeds_the_local_one(done, total_extra, elapsed, n_decode):
-    from sglang_kda.policy.budget import alone_time, progress_floor
+def test_the_paced_floor_never_exceeds_the_catch_up_one(done, total_extra, elapsed, n_decode):
+    from sglang_kda.policy.budget import CATCH_UP_SLOWDOWN, alone_time, progress_floor
 
     cfg = BudgetConfig(max_slice=4096)
     p = Prefill("p", 1e9, done, done + total_extra)
     p.alone_s = alone_time(MODEL, replace(p, done=0), cfg)
     ctx = [1000] * n_decode
-    local = progress_floor(MODEL, ctx, p, cfg)
+    catch_up = progress_floor(MODEL, ctx, p, replace(cfg, max_slowdown=CATCH_UP_SLOWDOWN))
     paced = progress_floor(MODEL, ctx, p, cfg, now=elapsed * p.alone_s)
-    assert 0 < paced <= local
+    assert 0 < paced <= catch_up
 
 
 @settings(max_examples=200, deadline=None)

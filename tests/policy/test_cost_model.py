@@ -182,6 +182,21 @@ def test_slow_factor_follows_the_last_slice_steps():
     assert f.slow_factor() == pytest.approx(1.0)
 
 
+def test_slow_factor_prices_recent_steps_with_the_current_model():
+    """A fresh server prices prefill from the prior (3-4x under on the CPU server) until its
+    refit: the slow factor says so while that model stands, and drops as soon as a refit
+    corrects it, not 32 slice steps later."""
+    prior = CostModel(kda_layers=3, mla_layers=1)
+    f = OnlineFit(prior, refit_every=1 << 30)
+    sliced = [BatchShape((500,), (Slice(p, 128),)) for p in range(0, 2048, 128)]
+    for _ in range(2):
+        for s in sliced:
+            f.observe(s, TRUE.predict(s))
+    assert f.slow_factor() == 2.0  # the prior prices these steps far under
+    f.refit()
+    assert f.slow_factor() == pytest.approx(1.0, abs=0.15)
+
+
 def test_unseen_feature_keeps_its_prior():
     """Prefill-only steps with no KDA-step variation aside, a feature never seen keeps its
     prior: decode-only steps say nothing about serial KDA chunk steps of slices."""

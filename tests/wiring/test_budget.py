@@ -96,7 +96,7 @@ def test_a_prefills_progress_and_finish_are_booked(tmp_path):
 def test_the_fitted_model_is_saved_after_the_first_steps_and_loaded_next_time(tmp_path):
     st = _runtime(tmp_path)
     shape = BatchShape((100, 200), (Slice(0, 256),))
-    for i in range(rt.FIRST_SAVE):
+    for i in range(rt.FIRST_SAVE + 1):  # the first is the warm-up, not fitted
         st.step_ran(shape, 0.05 + 1e-4 * i)
     assert st.report()["cost_model"]["steps"] == rt.FIRST_SAVE
     saved = json.loads((tmp_path / "cm.json").read_text())
@@ -120,8 +120,29 @@ def test_a_shared_round_that_overshoots_turns_pacing_on(tmp_path):
     st.planner.last_plan = dataclasses.replace(dec.plan, mode="share")
     st.step_ran(BatchShape((100, 100), (Slice(0, 64),)), seconds=10.0)
     assert st.planner.slice_overshoot
+    fitted = st.fit.n_observed
     st.step_ran(None, 1.0)  # a batch whose lengths could not be read: nothing learnt
-    assert st.fit.n_observed == 1
+    assert st.fit.n_observed == fitted
+
+
+def test_the_first_step_of_each_kind_is_a_warm_up_and_is_not_fitted(tmp_path):
+    """SGLang's warm-up request runs every kernel for the first time (4.2 s for 13 tokens on
+    the CPU server, its first decode step 0.86 s): fitted, it pinned the slow factor at its cap
+    for the next 32 slice steps. The first step with a slice alone, with a slice and decode,
+    and with decode alone are skipped; later ones are fitted."""
+    st = _runtime(tmp_path)
+    kinds = [
+        BatchShape((), (Slice(0, 13),)),
+        BatchShape((13,), (Slice(0, 64),)),
+        BatchShape((14,)),
+    ]
+    for shape in kinds:
+        st.step_ran(shape, 4.2)
+    assert st.fit.n_observed == 0 and st.fit.slice_steps == []
+    for shape in kinds:
+        st.step_ran(shape, 0.03)
+    assert st.fit.n_observed == 3 and len(st.fit.slice_steps) == 2
+    assert max(y for _, y in st.fit.slice_steps) < 1  # the 4.2 s steps left no trace
 
 
 def test_newcomers_are_booked_once_with_their_own_deadline_and_arrival():
@@ -209,6 +230,7 @@ def test_run_ahead_books_progress_and_fit_from_the_launched_batch(tmp_path):
     """The prefills booked are those read when the batch was launched (the overlap scheduler
     processes a copy of the batch without its chunked request)."""
     st = _runtime(tmp_path)
+    st.warmed.add((True, False))  # past its warm-up step
     st.admit("p", now=0.0, total=200)
     chunk = BatchShape((), (Slice(0, 128),))
     rest = BatchShape((), (Slice(128, 72),))
