@@ -343,7 +343,8 @@ class OnlineFit:
     ridge: weight of the pull toward the current coefficients (in units of one step).
     ratio_window / ratio_quantile: :meth:`slow_factor` reads this quantile of measured /
         predicted time over the last ``ratio_window`` steps that carried a prefill slice
-        (``slice_steps``: their features and seconds, priced by the current model).
+        (``slice_steps``: their features and seconds, priced by the current model), once
+        ``ratio_min`` were seen.
     """
 
     model: CostModel
@@ -360,6 +361,7 @@ class OnlineFit:
     error_ema: float | None = None
     last_error: float | None = None
     ratio_window: int = 32
+    ratio_min: int = 4
     ratio_quantile: float = 0.99
     slice_steps: list = field(default_factory=list)
 
@@ -448,7 +450,9 @@ class OnlineFit:
     def slow_factor(self, cap: float = SLOW_FACTOR_MAX) -> float:
         """How much slower than predicted recent steps with a prefill slice ran: the
         ``ratio_quantile`` of measured / predicted over the last ``ratio_window`` of them, at
-        least 1 and at most ``cap``; 1 until ``min_samples`` were seen.
+        least 1 and at most ``cap``; 1 until ``ratio_min`` were seen (a few: a model fitted on
+        short prompts can price a 32k prompt's rounds at half their time, and the round bound
+        that keeps arrivals' waits short holds only through this factor).
 
         The fit follows a window of hundreds of steps; this follows the last few dozen. A round
         planned against it keeps its budget through a slow spell of the machine (this CPU VM
@@ -459,7 +463,7 @@ class OnlineFit:
         slice steps are in the window: 3-4x under on the CPU server) also ends the slow factor
         its errors caused, instead of holding the round budget at half for 32 more slice
         steps."""
-        if len(self.slice_steps) < self.min_samples:
+        if len(self.slice_steps) < self.ratio_min:
             return 1.0
         return min(max(self.slice_ratio(self.ratio_quantile), 1.0), cap)
 

@@ -159,7 +159,7 @@ def test_online_fit_converges_and_reports_drift():
 
 def test_slow_factor_follows_the_last_slice_steps():
     """The factor is the 0.9 quantile of measured / predicted over the last 32 steps that carried
-    a slice: 1 until 12 were seen, never below 1, at most 2; decode-only steps do not count; a
+    a slice: 1 until 4 were seen, never below 1, at most 2; decode-only steps do not count; a
     slow spell shows within a few steps and is forgotten 32 slice steps later."""
     f = OnlineFit(TRUE, refit_every=1 << 30)
     decode = BatchShape((500, 600), ())
