@@ -308,6 +308,27 @@ def lone_slice(model: CostModel, p: Prefill, now: float, cfg: BudgetConfig) -> i
     return s
 
 
+def arrivals_wait(
+    model: CostModel, cfg: BudgetConfig, head: Prefill, pending: Sequence[Prefill]
+) -> bool:
+    """Whether a request waits behind the in-flight ``head`` that one bounded round finishes
+    (its remainder alone fits ``max_round_s``). Such a round gives ``head`` one grid step: the
+    arrival's first token then waits for the round in flight and a short round of its own, not
+    for a second bounded round that it rides (issue 30: on the CPU server, 32k prompt, six short
+    prompts arriving: 1.2-2.0 s for the first run of a fresh server, whose model underprices
+    the long prompt's rounds, 0.70-0.91 s once the slow factor caught it)."""
+    if cfg.max_round_s <= 0:
+        return False
+    bound = cfg.max_round_s / cfg.slow
+    price = _slicer(model)
+    return any(
+        p is not head
+        and 0 < p.remaining <= cfg.max_slice
+        and price((), p.done, p.remaining) <= bound
+        for p in pending
+    )
+
+
 # The progress floor for a prompt behind its pace (:func:`progress_floor`): it has already lost
 # its allowance to waiting, so it runs at 1/1.25 of its local rate alone until back on pace.
 CATCH_UP_SLOWDOWN = 1.25
@@ -704,7 +725,14 @@ def _plan_head(
         return Plan(mode, head.rid, tokens, mix, pred if budget_s is None else budget_s, pred, sl)
 
     if not decode_ctx:
-        return planned("prefill_only", lone_slice(model, head, now, cfg), False)
+        tokens = lone_slice(model, head, now, cfg)
+        if (
+            head.rid == inflight
+            and tokens < cfg.max_slice
+            and arrivals_wait(model, cfg, head, pending)
+        ):
+            tokens = _first_step(head.done, head.remaining, cfg.grid)
+        return planned("prefill_only", tokens, False)
     share = fit_slice(
         model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
     )

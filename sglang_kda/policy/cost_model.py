@@ -337,6 +337,10 @@ class OnlineFit:
     window: recent steps kept for the fit.
     refit_every: steps between refits.
     min_samples: steps before the first refit (until then the starting model stands).
+    prefill_min: steps with a prefill slice the window needs before the refit moves the
+        columns a slice drives (fewer: they keep their values). A fresh server on the CPU
+        priced its prefill 3-4x under from the prior until 12 were in (issue 30's shared-prefix
+        run: 80 steps, the first burst of prompts planned against it).
     drift_threshold: relative error (EMA) past which :attr:`drifting` is true.
     outlier: steps this many times slower or faster than the first fit are left out of the
         refit.
@@ -362,6 +366,7 @@ class OnlineFit:
     last_error: float | None = None
     ratio_window: int = 32
     ratio_min: int = 4
+    prefill_min: int = 4
     ratio_quantile: float = 0.99
     slice_steps: list = field(default_factory=list)
 
@@ -416,7 +421,7 @@ class OnlineFit:
         # priced a 6,000-token prompt at 38-1,105 s instead of 2 s, flagged it infeasible and
         # ran it without decode for 13-15 rounds (ITL 1.2-1.4 s).
         y_fit = y
-        if int((x[:, 5] > 0).sum()) < self.min_samples:
+        if int((x[:, 5] > 0).sum()) < self.prefill_min:
             held = list(PREFILL_COLUMNS)
             y_fit = y - x[:, held] @ prior[held]
             x[:, held] = 0.0

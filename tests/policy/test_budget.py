@@ -214,6 +214,30 @@ def test_no_decode_with_a_round_bound_takes_the_slice_that_fits_it():
     assert plan_round(MODEL, CFG, 0.0, [], [p]).tokens == CFG.max_slice
 
 
+def test_an_arrival_behind_a_bounded_lone_prefill_gets_a_short_round():
+    """A short request waiting behind the in-flight prefill of a bounded lone round: that round
+    gives the in-flight one a single grid step, so the arrival waits for the round in flight and
+    a short one of its own, not a whole bounded round it rides. A waiting request that one round
+    cannot finish, a head not in flight, or no bound: the bounded slice as before."""
+    cfg = replace(CFG, max_round_s=0.05)
+    long = Prefill("long", deadline=1e9, done=6_000, total=20_000)
+    short = Prefill("short", deadline=1e9, done=0, total=200)
+    bounded = plan_round(MODEL, cfg, 0.0, [], [long], inflight="long").tokens
+    assert 64 < bounded < cfg.max_slice
+    plan = plan_round(MODEL, cfg, 0.0, [], [long, short], inflight="long")
+    assert plan.mode == "prefill_only" and plan.rid == "long"
+    assert plan.tokens == 16 and (long.done + plan.tokens) % 64 == 0  # to the next grid point
+    big = Prefill("big", deadline=1e9, done=0, total=20_000)
+    assert plan_round(MODEL, cfg, 0.0, [], [long, big], inflight="long").tokens == bounded
+    assert plan_round(MODEL, cfg, 0.0, [], [long, short]).tokens == bounded  # none in flight
+    unbounded = plan_round(MODEL, CFG, 0.0, [], [long, short], inflight="long")
+    assert unbounded.tokens == CFG.max_slice
+    # an arrival never costs the in-flight prefill its deadline: at risk, it takes the largest
+    rounds_alone = finish_time(MODEL, (), long, cfg.max_slice, cfg)
+    tight = replace(long, deadline=rounds_alone * cfg.safety * 1.01)
+    assert plan_round(MODEL, cfg, 0.0, [], [tight, short], inflight="long").tokens == 4096
+
+
 def test_a_round_bound_never_costs_a_deadline():
     """Bounded rounds pay one fixed round cost each; where that would miss the deadline the
     prefill takes the largest slices again."""
