@@ -340,6 +340,7 @@ def progress_floor(
     p: Prefill,
     cfg: BudgetConfig,
     now: float | None = None,
+    queued: bool = False,
 ) -> int:
     """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
     it at ``1 / cfg.max_slowdown`` of its rate running alone here (tokens per second of one
@@ -367,9 +368,14 @@ def progress_floor(
     that puts it back on pace. Four cold prompts arriving together are the case: each later one
     waits for those ahead, and at ``1 / max_slowdown`` of its rate the last one's first token
     came 1.2-1.35x later than stock SGLang's, which runs them without decode.
+
+    ``queued``: prompts that need rounds of their own wait behind ``p``; each round it runs
+    slower they wait longer, so it is held to the catch-up rate from the start.
     """
     if cfg.max_slowdown <= 0 or p.remaining <= 0:
         return 0
+    if queued:
+        return _local_floor(model, decode_ctx, p, cfg, min(cfg.max_slowdown, CATCH_UP_SLOWDOWN))
     local = _local_floor(model, decode_ctx, p, cfg, cfg.max_slowdown)
     if now is None or p.alone_s is None:
         return local
@@ -736,7 +742,8 @@ def _plan_head(
     share = fit_slice(
         model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
     )
-    share = max(share, progress_floor(model, decode_ctx, head, cfg, now))
+    queued = any(p is not head and p.remaining > cfg.max_slice for p in pending)
+    share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued))
     share = whole_within_step(head, share, cfg.grid)
     if finish_whole(model, decode_ctx, head, share, budget, cfg):
         share = head.remaining
