@@ -306,7 +306,9 @@ class KDAConfig:
         "about N x its predicted time running alone: once it falls behind that pace its slice "
         "grows past the round budget to keep 1/N of its rate alone (a slow spell, a fixed cost "
         "per round near the budget), and decode pays the difference; a prefill ahead of the "
-        "pace keeps the round budget. `0` = the round budget alone decides.",
+        "pace keeps the round budget. A prefill behind that pace (it queued behind others), or "
+        "with prompts queued behind it that need rounds of their own, keeps 1/1.25 of its rate "
+        "alone (or 1/N where N is smaller). `0` = the round budget alone decides.",
     )
     max_round_ms: float = flag(
         500.0,
@@ -315,8 +317,9 @@ class KDAConfig:
         "Under `--kda-budget serial`, with no decode running a prefill round's predicted step is "
         "kept within this many ms (the longest grid-aligned slice that fits; the largest slice "
         "when the prompt's deadline needs it), so a request arriving during a long prefill waits "
-        "about one such round for its turn instead of a whole `--chunked-prefill-size` round. "
-        "Each extra round costs the step's fixed cost. `0` = the largest slice.",
+        "about one such round for its turn instead of a whole `--chunked-prefill-size` round; "
+        "the round that admits it gives the long prefill one grid step. Each extra round costs "
+        "the step's fixed cost. `0` = the largest slice.",
     )
     ttft_deadline_ms: float = flag(
         10_000.0,

@@ -156,8 +156,18 @@ def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
     model that rounds the last three conv inputs of every cached or decoding sequence, so outputs
     after a cache hit or during decode drift from a from-scratch prefill (~1e-3 in log-probs on the
     tiny model). A user's own setting wins.
+
+    ``TORCHDYNAMO_DISABLE=1`` unless the user set it or asked for ``--enable-torch-compile``:
+    SGLang wraps the MoE router's top-k (``biased_grouped_topk_gpu``, ``_impl``) in
+    ``torch.compile``, and on CPU the first forward of every server start traced and compiled it
+    (3.6-4.4 s of the warm-up request, py-spy: 125 of 136 scheduler samples in dynamo/inductor).
+    Eager runs the same ops.
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if "TORCHDYNAMO_DISABLE" not in os.environ and not _has_flag(
+        sglang_argv, "--enable-torch-compile"
+    ):
+        env["TORCHDYNAMO_DISABLE"] = "1"
     if extra_buffer_on_cpu(sglang_argv):
         from sglang_kda.cpu.platform import PLATFORM_NAME
 

@@ -49,6 +49,9 @@ def test_cpu_defaults_yield_to_user_flags(tiny_model_dir):
     assert extra[extra.index("--dtype") + 1] == "float32"
     assert cpu_env(extra)["SGLANG_MAMBA_CONV_DTYPE"] == "float32"
     assert "SGLANG_MAMBA_CONV_DTYPE" not in cpu_env(["--dtype", "bfloat16"])
+    # SGLang's torch.compile'd MoE top-k traced for ~4 s at every CPU server's first forward
+    assert cpu_env([])["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in cpu_env(["--enable-torch-compile"])
 
 
 def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
