@@ -160,8 +160,8 @@ def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
     ``TORCHDYNAMO_DISABLE=1`` unless the user set it or asked for ``--enable-torch-compile``:
     SGLang wraps the MoE router's top-k (``biased_grouped_topk_gpu``, ``_impl``) in
     ``torch.compile``, and on CPU the first forward of every server start traced and compiled it
-    (3.6-4.4 s of the warm-up request, py-spy: 125 of 136 scheduler samples in dynamo/inductor).
-    Eager runs the same ops.
+    (3.6-11 s of the warm-up request, py-spy: 125 of 136 scheduler samples in dynamo/inductor;
+    under 1 s eager). Eager runs the same ops, no slower (docs/cpu.md).
     """
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
     if "TORCHDYNAMO_DISABLE" not in os.environ and not _has_flag(

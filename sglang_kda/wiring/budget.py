@@ -403,7 +403,7 @@ class BudgetRuntime:
             self.warmed.add(kind)
         else:
             self.observe(shape, seconds)
-        self.planner.observed(seconds, bool(shape.slices), bool(shape.decode_ctx))
+        self.planner.observed(seconds, *kind)
 
     def observe(self, shape: BatchShape, seconds: float) -> None:
         """Feed one timed step to the online fit; log drift; save the model now and then."""
