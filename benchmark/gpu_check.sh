@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU session (a lent H200, 15 minutes of device time in all, start included): every
-# step has its own timeout and the whole script stops itself at 10 minutes, so it can run once with
-# room for one rerun. Everything lands in $OUT/gpu_check.txt (plus the benchmark CSV and JSON).
+# step has its own timeout and the whole script stops itself at 580 s (GPU_CHECK_BUDGET_S), so it
+# fits one 600 s call. Everything lands in $OUT/gpu_check.txt (plus the benchmark CSV and JSON).
 #
 # On the device tool's machine (python3 with CUDA torch + Triton there, nothing fetchable):
 #   carry [".whl"]; command: bash benchmark/gpu_check.sh
@@ -10,7 +10,7 @@
 #   echo /.whl/ >> .git/info/exclude
 #   .venv/bin/pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
 # Elsewhere: PY=.venv/bin/python bash benchmark/gpu_check.sh (a venv with CUDA torch + triton;
-# with SGLang 0.5.23 and this package installed, `pip install -e .`, step 4 serves the model).
+# with SGLang 0.5.23 and this package installed, `pip install -e .`, step 8 serves the model).
 #
 # Steps, ordered by what a cut-off run should still have told (budget s; what 2026-12-04's H200
 # run took, benchmark/results/gpu_check/): 1 device facts (40; 27: importing fla imports

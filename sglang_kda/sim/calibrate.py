@@ -217,12 +217,13 @@ def round_jitter(
         for g, (bs, n) in enumerate(CAL_STREAMS):
             pred = model.predict(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
             group = _group(streams, g)
-            decoding = max(r.token_times[0] for r in group if r.token_times)
-            t = group[0].token_times
+            decoding = max((r.token_times[0] for r in group if r.token_times), default=0.0)
+            first = group[0]
+            ends = first.token_times[1:]
             out += [
-                (b - a) / pred
-                for i, (a, b) in enumerate(zip(t, t[1:], strict=False))
-                if i >= 2 and b > decoding and b > a
+                x / pred
+                for x, end in list(zip(first.itls, ends, strict=True))[2:]
+                if x > 0 and end > decoding
             ]
     if not out:
         return ()
