@@ -26,7 +26,9 @@ SGLang's generated shared prefix dataset (issue 30: 4 groups x 8 prompts, system
 With ``--repeat N`` the policies take turns N times (stock, kda, stock, kda, ...): on a shared
 machine whose speed drifts, runs of one policy after the other are not comparable. After each
 kda run the server's ``/server_info`` sglang_kda report is saved next to the CSV
-(``<out>.<label>.server_info.json``).
+(``<out>.<label>.server_info.json``), and every request's TTFT and longest inter-token gap,
+all runs, to ``<out>.requests.csv`` (bench_serving's ``--output-details``): which request set
+a run's TTFT p99.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dic
         "--random-output-len", str(args.random_output_len),
         "--random-range-ratio", str(args.random_range_ratio),
         "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
-        "--output-file", str(out),
+        "--output-file", str(out), "--output-details",
     ]  # fmt: skip
     if args.dataset_name == "generated-shared-prefix":
         for name in GSP:
@@ -75,6 +77,27 @@ def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dic
     subprocess.run(cmd, check=True)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return lines[-1]
+
+
+def request_rows(label: str, result: dict) -> list[dict]:
+    """One row per request of a run (bench_serving's ``--output-details``), in its order."""
+    keys = ("input_lens", "output_lens", "ttfts")
+    if not all(k in result for k in keys):
+        return []
+    itls = result.get("itls") or [[] for _ in result["ttfts"]]
+    return [
+        {
+            "run": label,
+            "request": i,
+            "input_len": n_in,
+            "output_len": n_out,
+            "ttft_ms": round(ttft * 1e3, 3),
+            "max_itl_ms": round(max(itl) * 1e3, 3) if itl else None,
+        }
+        for i, (n_in, n_out, ttft, itl) in enumerate(
+            zip(result["input_lens"], result["output_lens"], result["ttfts"], itls)
+        )
+    ]
 
 
 def main() -> int:
@@ -129,6 +152,10 @@ def main() -> int:
 
     rows = [{"policy": p, **{m: r.get(m) for m in METRICS}} for p, r in results.items()]
     write_csv(out_csv, rows, ["policy", *METRICS])
+    per_request = [row for p, r in results.items() for row in request_rows(p, r)]
+    if per_request:
+        write_csv(out_csv.with_name(f"{out_csv.stem}.requests.csv"), per_request,
+                  list(per_request[0]))  # fmt: skip
     print(f"\nwrote {out_csv} (server logs in {tmp})\n")
     names = list(results)
     print("| metric | " + " | ".join(names) + " | ratio " + "/".join(reversed(names)) + " |")

@@ -334,6 +334,14 @@ def arrivals_wait(
 # local rate alone.
 CATCH_UP_SLOWDOWN = 1.25
 
+CATCH_UP_STRETCH = 2.5
+"""A prompt catching up (behind its pace, or with prompts queued behind it) takes at least the
+longest slice whose round is predicted within this x the round budget (:func:`progress_floor`).
+Issue 30, bench_serving's shared-prefix run (chunk 512): a cold 2,040-token prompt that waited
+behind another took six 256-384-token rounds at 1/1.25 of its rate where stock takes four
+512-token chunks; with the stretch its slices were the chunk, and the TTFT p99 went from
+1.006-1.11x stock to 0.80-0.98x over three pairs (ITL p99 0.41-0.46x)."""
+
 
 def progress_floor(
     model: CostModel,
@@ -342,6 +350,7 @@ def progress_floor(
     cfg: BudgetConfig,
     now: float | None = None,
     queued: bool = False,
+    budget: float | None = None,
 ) -> int:
     """The shortest grid-aligned slice of ``p`` whose round beside ``decode_ctx`` still advances
     it at ``1 / cfg.max_slowdown`` of its rate running alone here (tokens per second of one
@@ -372,12 +381,27 @@ def progress_floor(
 
     ``queued``: prompts that need rounds of their own wait behind ``p``; each round it runs
     slower they wait longer, so it is held to the catch-up rate from the start.
+
+    ``budget``: the round budget. Given, a prompt catching up also takes at least the longest
+    slice whose round fits :data:`CATCH_UP_STRETCH` x it: its rate alone is then the target and
+    the stretch bounds what decode pays (where the chunk is small, the chunk).
     """
     if cfg.max_slowdown <= 0 or p.remaining <= 0:
         return 0
     catch_up_slowdown = min(cfg.max_slowdown, CATCH_UP_SLOWDOWN)
+
+    def catching_up() -> int:
+        floor = _local_floor(model, decode_ctx, p, cfg, catch_up_slowdown)
+        if budget is None:
+            return floor
+        fast = fit_slice(
+            model, decode_ctx, p.done, p.remaining, CATCH_UP_STRETCH * budget, cfg.grid,
+            cfg.max_slice,
+        )  # fmt: skip
+        return max(floor, fast)
+
     if queued:
-        return _local_floor(model, decode_ctx, p, cfg, catch_up_slowdown)
+        return catching_up()
     local = _local_floor(model, decode_ctx, p, cfg, cfg.max_slowdown)
     if now is None or p.alone_s is None:
         return local
@@ -385,7 +409,7 @@ def progress_floor(
     need = needed_slice(model, decode_ctx, paced, now, cfg)
     if need is not None and need <= local:  # on or ahead of its pace
         return need if local > _first_step(p.done, p.remaining, cfg.grid) else local
-    catch_up = _local_floor(model, decode_ctx, p, cfg, catch_up_slowdown)
+    catch_up = catching_up()
     return max(local, catch_up if need is None else min(catch_up, need))
 
 
@@ -702,8 +726,61 @@ def room_behind(
             # (on the CPU server's shared-prefix run, forcing one made the hits' TTFT median
             # 1.11-1.60x stock's against 0.85-0.96x without)
             return plan
-    tokens = min(plan.tokens + extra, max(plan.tokens, cfg.max_slice))
-    return replace(plan, tokens=tokens)
+    extra = min(extra, max(plan.tokens, cfg.max_slice) - plan.tokens)
+    others = [p for p in prefills if p.remaining > 0 and p is not head]
+    extra = useful_extra(model, cfg, extra, others, round_room(cfg, plan))
+    return replace(plan, tokens=plan.tokens + extra)
+
+
+def round_room(cfg: BudgetConfig, plan: Plan) -> float:
+    """The model time a round like ``plan``'s holds for prefill: its budget when decode rides
+    along, ``max_round_s`` (in the model's time) when the round has no decode, else unbounded."""
+    if plan.mode != "prefill_only":
+        return plan.budget_s
+    return cfg.max_round_s / cfg.slow if cfg.max_round_s > 0 else math.inf
+
+
+def useful_extra(
+    model: CostModel,
+    cfg: BudgetConfig,
+    extra: int,
+    behind: Sequence[Prefill],
+    round_s: float,
+) -> int:
+    """How much of ``extra`` spare tokens in a round that finishes its head is worth giving to the
+    prompts ``behind`` it (in the order SGLang admits them): the tokens up to the last prompt that
+    then needs fewer rounds of its own. A prompt taken whole saves its rounds; the one that is
+    cut (SGLang cuts one) saves a round only when what it has left then fits in fewer rounds of
+    the slices it would take next (the longest whose lone round fits ``round_s``). Tokens that
+    save no round only lengthen this round, delaying the head's first token and the decode
+    tokens riding along (issue 30, bench_serving's shared-prefix run: a cold 2,040-token prompt
+    took 256 tokens beside another prompt's last 430 and still needed four rounds of 512 after
+    it; that round ran 55 ms instead of ~35 ms)."""
+    useful, used = 0, 0
+    for p in behind:
+        avail = extra - used
+        if avail <= 0:
+            break
+        if p.remaining <= avail:
+            used += p.remaining
+            useful = used
+            continue
+        take = slice_end(p.done, avail, p.remaining, cfg.grid) - p.done
+        if take <= 0:
+            break
+        if math.isinf(round_s):
+            s = cfg.max_slice
+        else:  # it waits now: its rounds will catch up (progress_floor), up to the stretch
+            s = fit_slice(
+                model, (), p.done, p.remaining, CATCH_UP_STRETCH * round_s, cfg.grid,
+                cfg.max_slice,
+            )  # fmt: skip
+        before = _rounds(p.done, p.remaining, s, cfg.grid)
+        after = _rounds(p.done + take, p.remaining - take, s, cfg.grid)
+        if after < before:
+            useful = used + take
+        break
+    return useful
 
 
 def _plan_head(
@@ -745,7 +822,7 @@ def _plan_head(
         model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
     )
     queued = any(p is not head and p.remaining > cfg.max_slice for p in pending)
-    share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued))
+    share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued, budget))
     share = whole_within_step(head, share, cfg.grid)
     if finish_whole(model, decode_ctx, head, share, budget, cfg):
         share = head.remaining

@@ -946,16 +946,47 @@ def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
     plan = plan_round(MODEL, tight, 0.0, DECODE, [hit, cold])
     assert plan.rid == "hit" and plan.budget_s - plan.predicted_s < 0.005
     assert plan.tokens == hit.remaining
-    cfg = replace(CFG, max_slowdown=0, itl_target_s=0.1)  # room to spare
+    cfg = replace(CFG, max_slowdown=0, itl_target_s=0.1, max_slice=512)  # room to spare
     plan = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold])
     assert plan.rid == "hit" and plan.mode == "share"
     assert plan.tokens > hit.remaining  # room for the cold prompt behind it
     head_only = room_behind(MODEL, cfg, replace(plan, tokens=hit.remaining), [hit], None)
     assert head_only.tokens == hit.remaining  # nobody behind: unchanged
-    # the extra is a cold first slice fitting the time the head's round leaves
+    # the extra is a cold first slice fitting the time the head's round leaves ...
     left = plan.budget_s - plan.predicted_s
     extra = fit_slice(MODEL, (), 0, cfg.max_slice, left, cfg.grid, cfg.max_slice)
+    extra = min(extra, cfg.max_slice - hit.remaining)  # a round takes at most the chunk
     assert plan.tokens == hit.remaining + extra
+    # ... when it saves the cold prompt a round: 3,000 tokens in slices of 512 take 6 rounds
+    # from token 0 (5 from 448 on); 2,560 left from 448 take 5, and as many after any slice of
+    # up to 448 here
+    assert extra >= 3000 - 5 * 512
+    late = replace(cold, done=448, total=3008)
+    plan = plan_round(MODEL, cfg, 0.0, DECODE, [hit, late])
+    assert plan.tokens == hit.remaining
     # an in-flight request's rounds are sized elsewhere (round_tokens): unchanged
     chunked = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold], inflight="hit")
     assert chunked.tokens == hit.remaining
+
+
+def test_spare_tokens_go_behind_only_where_they_save_a_round():
+    """useful_extra (issue 30): the spare tokens of a round that finishes its head go to the
+    prompts behind it up to the last one that then needs fewer rounds of its own; tokens that
+    save none only lengthen the round."""
+    import math
+
+    from sglang_kda.policy.budget import useful_extra
+
+    cfg = replace(CFG, max_slice=512)
+    cold = Prefill("cold", deadline=1e9, done=0, total=2040)  # 4 rounds of 512
+    assert useful_extra(MODEL, cfg, 256, [cold], math.inf) == 0  # 1,784 left: still 4
+    assert useful_extra(MODEL, cfg, 512, [cold], math.inf) == 512  # 1,528 left: 3
+    # a prompt taken whole saves its rounds; the cold one cut after it saves none
+    short = Prefill("short", deadline=1e9, done=960, total=1060)
+    assert useful_extra(MODEL, cfg, 256, [short, cold], math.inf) == 100
+    assert useful_extra(MODEL, cfg, 0, [short, cold], math.inf) == 0
+    assert useful_extra(MODEL, cfg, 256, [], math.inf) == 0
+    # the slices the cold prompt would take next set its rounds: in rounds of about one grid
+    # step (a tight round), every grid step of the extra saves one
+    tight = useful_extra(MODEL, cfg, 256, [cold], 1e-9)
+    assert tight == 256
