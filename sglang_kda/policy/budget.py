@@ -770,7 +770,8 @@ def useful_extra(
         if math.isinf(round_s):
             s = cfg.max_slice
         else:  # it waits now: its rounds will catch up (progress_floor), without the margin
-            s = fit_slice(model, (), p.done, p.remaining, round_s * cfg.slow, cfg.grid, cfg.max_slice)
+            room = round_s * cfg.slow
+            s = fit_slice(model, (), p.done, p.remaining, room, cfg.grid, cfg.max_slice)
         before = _rounds(p.done, p.remaining, s, cfg.grid)
         after = _rounds(p.done + take, p.remaining - take, s, cfg.grid)
         if after < before:
