@@ -335,7 +335,6 @@ def arrivals_wait(
 CATCH_UP_SLOWDOWN = 1.25
 
 
-
 def progress_floor(
     model: CostModel,
     decode_ctx: Sequence[int],
