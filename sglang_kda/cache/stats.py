@@ -37,6 +37,10 @@ _HELP = {
         "Admissions passed over because they would need cutting while a chunked prefill is in "
         "flight (SGLang tracks one unfinished chunked request)"
     ),
+    "branch_cuts": (
+        "Admissions cut where the prompt's cached KV ends past its deepest KDA state, to leave a "
+        "state there"
+    ),
     "eviction_lru_fallbacks": (
         "State evictions that fell back to SGLang's LRU (the state book missed a tree state)"
     ),
@@ -64,6 +68,7 @@ class CacheStats:
     admitted_past_waiting_twin: int = 0
     rounds_made_room: int = 0
     passed_over_while_chunked: int = 0
+    branch_cuts: int = 0
     eviction_lru_fallbacks: int = 0
     host_state_hits: int = 0
     host_states_evicted: int = 0

@@ -20,6 +20,12 @@ The rules:
   the round holds one, an admission that would be cut is turned down
   (:meth:`AdderRound.refuse_cut`), and a request admitted chunked closes the round's chunk budget
   (:meth:`AdderRound.closed_budget`).
+* **A state where the cached KV ends** (:meth:`AdderRound.branch_cut`): an admission whose
+  prompt matches cached KV past its deepest cached state (the tree holds the tokens, not the
+  state: states sit every ``--kda-checkpoint-every`` tokens) is cut where that KV ends (on the
+  grid), when the round holds no unfinished chunked request yet. The chunk end leaves a state
+  there (SGLang's chunk-end copy), so the next prompt branching off the same path resumes
+  from it instead of recomputing the tokens from the state before.
 * **Twins wait** (:meth:`AdderRound.twin_waits`, ``--kda-twins``): a candidate that shares an
   uncached prefix with a request admitted in the same round waits for its checkpoints
   (:func:`sglang_kda.policy.admission.twin_gain`, at the checkpoint spacing: a twin waits only
@@ -69,6 +75,31 @@ class AdderRound:
         taken = grid_mod.aligned_chunk_len(prefix_len, budget, remaining, self.grid)
         self.cuts.append((prefix_len, budget, remaining, taken))
         return taken
+
+    def branch_cut(self, prefix_len: int, extend_len: int, kv_len: Optional[int]) -> int:
+        """The length of an admission from ``prefix_len`` (its deepest cached state) that would
+        take ``extend_len`` tokens, when the prompt's cached KV runs to ``kv_len``: cut at
+        ``kv_len`` on the grid when that lies at least one grid step past ``prefix_len`` and
+        before the admission's end, and the round holds no unfinished chunked request (the cut
+        makes this one the round's) and off the checkpoint spacing (a position on it is captured
+        inside the slice anyway: with the default spacing, the grid, nothing is cut); else
+        ``extend_len``. Counted as ``branch_cuts``.
+
+        Why: a prompt that branches off a cached path between two states recomputes the path's
+        tokens from the state before; with a state at the branch, the next prompt branching
+        there (a conversation's other continuations, a shared system prompt shorter than the
+        spacing) does not. On the Mooncake trace in the simulator (H200 TP8, spacing 704,
+        0-600 s) the kda defaults computed 0.743 of the prompt tokens with it, 0.751 without
+        (KV recomputed 0.014 against 0.022 of the prompt; ideal 0.711)."""
+        if self.grid <= 1 or self.round_chunked or not kv_len:
+            return extend_len
+        at = kv_len // self.grid * self.grid
+        if at % (self.every or self.grid) == 0:
+            return extend_len  # a position on the spacing is captured inside the slice anyway
+        if prefix_len + self.grid <= at < prefix_len + extend_len:
+            self.counts["branch_cuts"] += 1
+            return at - prefix_len
+        return extend_len
 
     def inflight_limit(
         self,

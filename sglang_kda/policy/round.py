@@ -235,6 +235,8 @@ class RoundPlanner:
             keep = cap = self._slice_beside_shorts(
                 model, cfg, now, decode_ctx, inflight, present, chunk, keep
             )
+        if inflight is not None:
+            chunk = self._room_behind_inflight(model, cfg, plan, inflight, present, chunk, keep)
         head = plan.rid if inflight is None else None
         return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
 
@@ -290,6 +292,35 @@ class RoundPlanner:
             else:
                 hi = mid - 1
         return (lo * grid if lo * grid > lowest else lowest) - long.done
+
+    def _room_behind_inflight(
+        self,
+        model,
+        cfg: BudgetConfig,
+        plan: Plan,
+        inflight: str,
+        present: dict,
+        chunk: int,
+        keep: Optional[int],
+    ) -> int:
+        """The round's chunk budget when its share for the in-flight prompt (``keep``, else all
+        of ``chunk``) finishes that prompt: the prompt's remainder and the part of the rest worth
+        giving to the requests behind it (:func:`budget.useful_extra`). While the prompt stays
+        in flight ``chunk`` is kept (only requests that fit whole enter beside it,
+        :func:`make_room`)."""
+        long = self.book.live.get(inflight)
+        share = chunk if keep is None else keep
+        if long is None or share < long.remaining or chunk <= long.remaining:
+            return chunk
+        behind = [
+            self.book.live[r]
+            for r in present
+            if r != inflight and r in self.book.live and self.book.live[r].remaining > 0
+        ]
+        extra = budget_mod.useful_extra(
+            model, cfg, chunk - long.remaining, behind, budget_mod.round_room(cfg, plan)
+        )
+        return long.remaining + extra
 
     def observed(self, seconds: float, slices: bool, decode: bool) -> None:
         """A round ran in ``seconds``: a shared round (slices and decode) that overshot its

@@ -85,6 +85,8 @@ class SimConfig:
         (``--kda-checkpoint-every``).
     twins: ``kda`` twins rule (``--kda-twins``).
     resume_in_flight: ``kda`` in-flight resume.
+    branch_cuts: ``kda`` admissions cut where the cached KV ends
+        (:meth:`sglang_kda.policy.adder.AdderRound.branch_cut`; the server always does).
     aligned_cuts: cut on the grid (``None``: the policy's default: kda yes, stock no).
     exact_cuts: with ``aligned_cuts`` off, cut at the exact budget even off the page grid (a
         hypothetical scheduler cutting at arbitrary token counts; its off-page chunk ends
@@ -137,6 +139,7 @@ class SimConfig:
     checkpoint_every: int = 0
     twins: bool = True
     resume_in_flight: bool = True
+    branch_cuts: bool = True
     aligned_cuts: Optional[bool] = None
     exact_cuts: bool = False
     enable_mixed_chunk: bool = False
@@ -490,6 +493,8 @@ class Rank:
             r.state = "prefill"
             self._relock(r, m.node)
             take = self._cut(st, r.prefix, rem_chunk, extend) if extend > rem_chunk else extend
+            if cfg.kda and cfg.branch_cuts:  # a state where the cached KV ends
+                take = st.branch_cut(r.prefix, take, min(m.kv_length, self._limit(r)))
             slices.append((r, r.prefix, r.prefix + take))
             leaders.append(Leader(r.ids, r.prefix, r.prefix + take))
             rem_chunk -= take

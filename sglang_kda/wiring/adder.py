@@ -109,17 +109,26 @@ def in_flight_limit(
 def cut_admission(st: AdderRound, req: Any, adm: Any, turned_down: Any) -> Any:
     """Upstream's admission of ``req`` (``adm``, or an ``AddReqResult``) as the pass takes it: a
     chunked admission is ``turned_down`` (upstream's ``AddReqResult.CONTINUE``) while the round
-    holds an unfinished chunked request (:meth:`AdderRound.refuse_cut`), else cut on the grid."""
-    if not getattr(adm, "is_chunked", False):
+    holds an unfinished chunked request (:meth:`AdderRound.refuse_cut`), else cut on the grid;
+    then an admission whose prompt matched cached KV past its state is cut where that KV ends
+    (:meth:`AdderRound.branch_cut`, from SGLang's ``req.mamba_branching_seqlen``), which makes
+    it chunked."""
+    if not hasattr(adm, "extend_len"):
         return adm
-    if st.refuse_cut(req):  # one unfinished chunked request per round
-        return turned_down
-    if st.grid <= 1:
-        return adm
-    remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
-    taken = st.cut(adm.prefix_len, adm.extend_len, remaining)
+    if adm.is_chunked:
+        if st.refuse_cut(req):  # one unfinished chunked request per round
+            return turned_down
+        if st.grid <= 1:
+            return adm
+        remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
+        taken = st.cut(adm.prefix_len, adm.extend_len, remaining)
+        adm = dataclasses.replace(adm, extend_len=taken)
+    branch = getattr(req, "mamba_branching_seqlen", None)
+    taken = st.branch_cut(adm.prefix_len, adm.extend_len, branch)
+    if taken < adm.extend_len:
+        adm = dataclasses.replace(adm, extend_len=taken, is_chunked=True, max_new_tokens=0)
     record(st)
-    return dataclasses.replace(adm, extend_len=taken)
+    return adm
 
 
 def add_one(

@@ -284,3 +284,30 @@ def test_the_slice_beside_shorts_bisects_to_the_end_the_step_by_step_shrink_find
             want = step_by_step(planner, *args)
             assert planner._slice_beside_shorts(*args) == want
 
+
+def test_a_round_finishing_the_in_flight_prompt_gives_the_rest_only_where_it_saves_a_round():
+    """Issue 30: a share round that finishes the in-flight prompt left half a chunk beside it,
+    and SGLang cut the cold prompt behind it there (256 tokens beside the last 430; it still took
+    four rounds of 512 after). The chunk budget now ends at the in-flight remainder unless the
+    requests behind save rounds of their own (:func:`budget.useful_extra`)."""
+    cfg = BudgetConfig(grid=GRID, max_slice=512, ttft_deadline_s=100.0, max_slowdown=0)
+    decode = [1100] * 3
+
+    def decide(queue, totals):
+        planner = RoundPlanner(cfg)
+        planner.book.admit(MODEL, "long", 0.0, 1262, done=832)
+        for rid, _ in queue[1:]:
+            planner.book.admit(MODEL, rid, 0.0, totals[rid])
+        return planner.decide(MODEL, 0.0, decode, queue, inflight="long")
+
+    dec = decide([("long", 832), ("cold", 0)], {"cold": 2040})
+    assert dec.plan.mode == "share" and dec.keep == 430
+    assert dec.chunk_budget == 430  # 2,040 take 4 rounds of 512, and 1,784 as many
+    dec = decide([("long", 832), ("hit", 0)], {"hit": 200})
+    assert dec.chunk_budget == 430 + 200  # taken whole: its first token comes this round
+    # while the in-flight prompt stays in flight, the room beside it is as before
+    planner = RoundPlanner(cfg)
+    planner.book.admit(MODEL, "long", 0.0, 20_000, done=832)
+    planner.book.admit(MODEL, "cold", 0.0, 2040)
+    dec = planner.decide(MODEL, 0.0, decode, [("long", 832), ("cold", 0)], inflight="long")
+    assert dec.chunk_budget == dec.keep + 256

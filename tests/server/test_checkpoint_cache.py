@@ -339,3 +339,50 @@ def test_a_waiting_twin_does_not_hold_back_an_unrelated_request(server_twins, re
     passed = after["admitted_past_waiting_twin"] - before["admitted_past_waiting_twin"]
     assert passed >= 1, "the unrelated request was not admitted past the waiting twin"
     wait_until_no_requests(server_twins)
+
+
+# --- States every 256 tokens: a branch off a cached path leaves a state where the KV ends ---
+
+
+@pytest.fixture(scope="module")
+def server_spaced(tmp_path_factory, tiny_model_dir):
+    srv = start_server(
+        tmp_path_factory,
+        tiny_model_dir,
+        "cache-spaced",
+        [
+            "--kda-policy", "kda", "--kda-debug-integrity", "on", "--kda-checkpoint-every", "256",
+            # one slice a prompt: no chunk end of A's at the branch point
+            "--chunked-prefill-size", "4096", "--kda-max-round-ms", "0",
+        ],
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_a_branch_off_a_cached_path_leaves_a_state_where_the_kv_ends(server_spaced, ref):
+    """AdderRound.branch_cut on the real server: B shares A's first 600 tokens; A's states sit
+    at 256, 512 and 768, so B resumes from 512, and its admission is cut at 576 (where the
+    cached KV ends, on the grid) so that the chunk end leaves a state there. C, branching off
+    the same path, resumes from 576. Outputs equal the float64 reference."""
+    rng = random.Random(21)
+    a = rand_ids(rng, 800)
+    b = a[:600] + rand_ids(rng, 90)
+    c = a[:600] + rand_ids(rng, 90)
+    flush_cache_until_ok(server_spaced)
+    before = cache_stats(server_spaced)
+    assert_matches(gen(server_spaced, a), ref(a), "A")
+    after_a = cache_stats(server_spaced)
+    assert_matches(gen(server_spaced, b), ref(b), "B")
+    after_b = cache_stats(server_spaced)
+    out_c = gen(server_spaced, c)
+    assert_matches(out_c, ref(c), "C")
+    assert out_c["meta_info"]["cached_tokens"] == 576
+    after_c = cache_stats(server_spaced)
+
+    def computed(x, y):
+        return y["prefill_tokens_computed"] - x["prefill_tokens_computed"]
+
+    assert computed(after_a, after_b) == 690 - 512  # B: from A's state at 512, in two chunks
+    assert computed(after_b, after_c) == 690 - 576  # C: from B's chunk end
+    assert after_c["branch_cuts"] == before["branch_cuts"] + 1  # B's, not C's (its KV ends at 600)

@@ -458,3 +458,32 @@ def test_the_default_simulated_server_is_the_default_server():
     assert off.budget is None and not off.twins and off.alpha is None
     assert SimConfig.from_flags(KDAConfig(policy="stock")).policy == "stock"
     assert SimConfig(policy="kda", budget=None).budget is None  # --kda-budget off
+
+
+def test_a_branch_off_a_cached_path_leaves_a_state_where_the_kv_ends():
+    """AdderRound.branch_cut (issue 30): with states every 256 tokens, a prompt sharing 600
+    tokens with a finished one resumes from its state at 512 and recomputes to 600; its
+    admission is cut at 576 (where the cached KV ends, on the grid), the chunk end leaves a state
+    there, and a third prompt branching off the same path resumes from 576 instead of 512. With
+    the spacing at the grid nothing is cut (a grid position inside a slice is captured)."""
+
+    def trace():
+        return T.Trace(
+            [
+                T.TraceRequest("a", 2, t=0.0, segments=(("p", 800),)),
+                T.TraceRequest("b", 2, after="a", delay=0.1, segments=(("p", 600), ("x", 90))),
+                T.TraceRequest("c", 2, after="b", delay=0.1, segments=(("p", 600), ("y", 90))),
+            ]
+        )
+
+    res = run(trace(), policy="kda", checkpoint_every=256, chunked_prefill_size=4096)
+    check_invariants(res, trace())
+    by = {r.rid: r for r in res.requests}
+    assert by["b"].cached == 512 and by["c"].cached == 576
+    assert res.ranks[0].counts["branch_cuts"] >= 1
+    off = run(trace(), policy="kda", checkpoint_every=256, chunked_prefill_size=4096,
+              branch_cuts=False)  # fmt: skip
+    assert {r.rid: r.cached for r in off.requests}["c"] == 512
+    grid = run(trace(), policy="kda", chunked_prefill_size=4096)
+    assert grid.ranks[0].counts["branch_cuts"] == 0
+    assert {r.rid: r.cached for r in grid.requests}["c"] == 576
