@@ -39,17 +39,21 @@ def _workload() -> list[tuple[list, int, float]]:
     def ids(n):
         return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
-    shared = ids(300)
+    shared = ids(200)
     decode_a = ids(40)
     jobs = [
         (decode_a, 30, 0.0),  # decode streams
         (ids(50), 30, 0.0),
         (ids(2000), 4, 0.2),  # a long prompt: several rounds
-        ([shared + ids(20) for _ in range(3)], 6, 0.3),  # twins: one uncached prefix, one batch
         (ids(60), 5, 0.5),  # a short prompt arriving during the long prefill
-        (shared + [7] * 30, 5, 1.5),  # the shared prefix again, later
+        # twins: one uncached prefix, one batch, once the rest is quiet: the first is admitted
+        # whole, and the others wait for it. (Arriving during the long prefill, the round that
+        # finishes it was sized to its remainder, the first twin took the next round's chunk
+        # and closed its admissions, and the others then found its chunk end: none waited.)
+        ([shared + ids(20) for _ in range(3)], 6, 2.5),
+        (shared + [7] * 30, 5, 3.0),  # the shared prefix again, later
         (list(decode_a), 3, 4.0),  # a repeat of a finished prompt
-        (shared[:200] + [9] * 77, 3, 4.5),  # off-grid divergence from the shared prefix
+        (shared[:150] + [9] * 77, 3, 4.5),  # off-grid divergence from the shared prefix
     ]
     return jobs
 
