@@ -205,23 +205,27 @@ def test_metrics_expose_the_cache_counters(server):
 # --- Twins off, a small state pool and checkpoint cap: in-flight resume, eviction pressure ---
 
 
+def _kda_server(tmp_path_factory, tiny_model_dir, name: str, flags: list):
+    """A module's own kda server (integrity checks on) with ``flags``, stopped after it."""
+    base = ["--kda-policy", "kda", "--kda-debug-integrity", "on"]
+    srv = start_server(tmp_path_factory, tiny_model_dir, name, base + flags)
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def server_small(tmp_path_factory, tiny_model_dir):
-    srv = start_server(
+    yield from _kda_server(
         tmp_path_factory,
         tiny_model_dir,
         "cache-small",
         [
-            "--kda-policy", "kda",
             "--kda-twins", "off",
-            "--kda-debug-integrity", "on",
             "--chunked-prefill-size", "256",
             "--max-mamba-cache-size", "48",
             "--kda-checkpoint-pool-size", "20",
         ],
     )  # fmt: skip
-    yield srv
-    srv.stop()
 
 
 def test_in_flight_chunked_request_skips_segments_a_twin_just_checkpointed(server_small, ref):
@@ -294,19 +298,8 @@ def test_small_state_pool_evicts_and_stays_correct(server_small, ref):
 
 @pytest.fixture(scope="module")
 def server_twins(tmp_path_factory, tiny_model_dir):
-    srv = start_server(
-        tmp_path_factory,
-        tiny_model_dir,
-        "cache-twins",
-        [
-            "--kda-policy", "kda",
-            "--kda-twins", "on",
-            "--kda-debug-integrity", "on",
-            "--chunked-prefill-size", "1024",
-        ],
-    )  # fmt: skip
-    yield srv
-    srv.stop()
+    flags = ["--kda-twins", "on", "--chunked-prefill-size", "1024"]
+    yield from _kda_server(tmp_path_factory, tiny_model_dir, "cache-twins", flags)
 
 
 def test_a_waiting_twin_does_not_hold_back_an_unrelated_request(server_twins, ref):
@@ -346,18 +339,12 @@ def test_a_waiting_twin_does_not_hold_back_an_unrelated_request(server_twins, re
 
 @pytest.fixture(scope="module")
 def server_spaced(tmp_path_factory, tiny_model_dir):
-    srv = start_server(
-        tmp_path_factory,
-        tiny_model_dir,
-        "cache-spaced",
-        [
-            "--kda-policy", "kda", "--kda-debug-integrity", "on", "--kda-checkpoint-every", "256",
-            # one slice a prompt: no chunk end of A's at the branch point
-            "--chunked-prefill-size", "4096", "--kda-max-round-ms", "0",
-        ],
-    )  # fmt: skip
-    yield srv
-    srv.stop()
+    flags = [
+        "--kda-checkpoint-every", "256",
+        # one slice a prompt: no chunk end of A's at the branch point
+        "--chunked-prefill-size", "4096", "--kda-max-round-ms", "0",
+    ]  # fmt: skip
+    yield from _kda_server(tmp_path_factory, tiny_model_dir, "cache-spaced", flags)
 
 
 def test_a_branch_off_a_cached_path_leaves_a_state_where_the_kv_ends(server_spaced, ref):
