@@ -30,7 +30,10 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   before, the prompt runs without the decode tokens if they would delay its first token more
   than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
   decode costs per stream); decode runs the next round. A round that finishes a waiting head
-  leaves its spare time to the prefills behind it (:func:`room_behind`).
+  leaves its spare time to the prefills behind it (:func:`room_behind`), as far as that saves
+  one of them a round (:func:`useful_extra`). A prompt catching up (behind its pace, or with
+  prompts queued behind it) takes at least the slice the model fits in the round budget without
+  the slow factor's margin (:func:`progress_floor`).
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
