@@ -258,7 +258,7 @@ class RoundPlanner:
         long = self.book.live.get(inflight)
         if long is None:
             return tokens
-        waiting = [self.book.live[r] for r in present if r != inflight and r in self.book.live]
+        waiting = [p for p in self.book.pending(present) if p.rid != inflight]
         grid = cfg.grid
         first = min((long.done // grid + 1) * grid - long.done, long.remaining)
         # the most short prompts that could enter beside it (the long prompt at its smallest)
@@ -312,11 +312,7 @@ class RoundPlanner:
         share = chunk if keep is None else keep
         if long is None or share < long.remaining or chunk <= long.remaining:
             return chunk
-        behind = [
-            self.book.live[r]
-            for r in present
-            if r != inflight and r in self.book.live and self.book.live[r].remaining > 0
-        ]
+        behind = [p for p in self.book.pending(present) if p.rid != inflight and p.remaining > 0]
         extra = budget_mod.useful_extra(
             model, cfg, chunk - long.remaining, behind, budget_mod.round_room(cfg, plan)
         )
