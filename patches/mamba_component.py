@@ -16,11 +16,14 @@ How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a cap
     fresh slot filled with that checkpoint (:func:`~sglang_kda.cache.checkpoints.
     prepare_checkpoint` -> ``write_checkpoint_slot``, which may evict a tree state by the
     ``--kda-eviction`` rule), or caches nothing (returns 0) when no slot can be had. Every other
-    insert is upstream's. After each insert and each admission match, the node holding the state
-    is noted in the state book (:func:`~sglang_kda.cache.checkpoints.note_insert` /
-    ``note_match``); after a finished request's insert the tree is brought back under
-    ``--kda-checkpoint-pool-size`` (the prefill-step check runs before requests finish). Only
-    with ``--kda-policy kda``.
+    insert is upstream's, except that one reaching only inside the request's protected prefix
+    (already in the tree with grid states) caches nothing
+    (:func:`~sglang_kda.cache.checkpoints.behind_protected`). After each insert and each
+    admission match, the node holding the state is noted in the state book
+    (:func:`~sglang_kda.cache.checkpoints.note_insert` / ``note_match``); after each insert
+    of SGLang's own the tree is brought back under ``--kda-checkpoint-pool-size`` (the
+    prefill-step check runs before SGLang's prompt-end and finish inserts). Only with
+    ``--kda-policy kda``.
 Seam: rebinding the three methods (upstream's kept as ``_orig_*``).
 Remove when: upstream inserts per-chunk kernel states into the tree (not only chunk ends) and
     offers per-node state eviction with a cost-aware policy.
@@ -60,7 +63,8 @@ def apply(ctx) -> None:
     @functools.wraps(orig)
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
         if not cp.checkpoint_insert(req, is_finished):
-            return orig(self, req, insert_params, token_ids_len, is_finished)
+            out = orig(self, req, insert_params, token_ids_len, is_finished)
+            return cp.behind_protected(req, out)
         return cp.prepare_checkpoint(self.cache, req, insert_params, token_ids_len, alpha)
 
     @functools.wraps(orig_cleanup)
@@ -68,7 +72,8 @@ def apply(ctx) -> None:
         out = orig_cleanup(self, req, is_finished, *args, **kwargs)
         result = kwargs.get("insert_result", args[0] if args else None)
         params = kwargs.get("insert_params", args[1] if len(args) > 1 else None)
-        cp.note_insert(self, result, is_finished, cap, alpha, params)
+        ours = cp.checkpoint_insert(req, is_finished)
+        cp.note_insert(self, result, is_finished, cap, alpha, params, ours)
         return out
 
     @functools.wraps(orig_finalize)

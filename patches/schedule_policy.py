@@ -78,22 +78,33 @@ def apply(ctx) -> None:
         self._kda = AdderRound(grid, twins, every=every)
         ad.begin_pass(self._kda, self.tree_cache)
 
+    # An adder built without __init__ (SGLang's own unit tests make one with object.__new__)
+    # has no pass: every method is then upstream's.
     @functools.wraps(orig_select)
     def _select_prefill_admission(self, req, **kwargs):
-        return ad.cut_admission(self._kda, req, orig_select(self, req, **kwargs), turned_down)
+        adm = orig_select(self, req, **kwargs)
+        if _pass(self) is None:
+            return adm
+        chunking = self.rem_chunk_tokens is not None
+        return ad.cut_admission(self._kda, req, adm, turned_down, chunking)
 
     @functools.wraps(orig_commit)
     def _commit_prefill_admission(self, req, admission, *args, **kwargs):
         orig_commit(self, req, admission, *args, **kwargs)
-        ad.commit_admission(self._kda, self, req, admission)
+        if _pass(self) is not None:
+            ad.commit_admission(self._kda, self, req, admission)
 
     @functools.wraps(orig_add_one)
     def add_one_req(self, req, has_chunked_req, truncation_align_size):
         args = (has_chunked_req, truncation_align_size)
+        if _pass(self) is None:
+            return orig_add_one(self, req, *args)
         return ad.add_one(self._kda, self, req, orig_add_one, turned_down, *args)
 
     @functools.wraps(orig_add_chunked)
     def add_chunked_req(self, req):
+        if _pass(self) is None:
+            return orig_add_chunked(self, req)
         return ad.add_chunked(self._kda, self, req, orig_add_chunked)
 
     @functools.wraps(orig_limit)
@@ -104,12 +115,13 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig_ignore_eos)
     def add_one_req_ignore_eos(self, req, *args, **kwargs):
-        self._kda.prefix_len = req.prefix_len  # floor_chunked_tokens is not told the prefix
+        if _pass(self) is not None:  # floor_chunked_tokens is not told the prefix
+            self._kda.prefix_len = req.prefix_len
         return orig_ignore_eos(self, req, *args, **kwargs)
 
     @functools.wraps(orig_floor)
     def floor_chunked_tokens(self, trunc_len: int, remaining: int) -> int:
-        if self._kda.grid <= 1 or trunc_len <= 0:
+        if _pass(self) is None or self._kda.grid <= 1 or trunc_len <= 0:
             return orig_floor(self, trunc_len, remaining)
         return ad.floor_chunk(self._kda, trunc_len, remaining)
 
@@ -122,3 +134,8 @@ def apply(ctx) -> None:
     cls.floor_chunked_tokens = floor_chunked_tokens
     policy_cls.shortest_prefill_chunk_limit = shortest_prefill_chunk_limit
     cls._sglang_kda_patched = True
+
+
+def _pass(adder):
+    """The adder's admission pass (``_kda``), or None for one built without ``__init__``."""
+    return adder.__dict__.get("_kda")

@@ -195,6 +195,15 @@ def _capture_keyed_by_forward(server_args: Any, policy_kda: bool, kernel: str) -
                 "beside which the capture's one-forward-at-a-time plan has never run",
             )
         )
+    if int(getattr(server_args, "pp_size", 1) or 1) > 1:
+        out.append(
+            Refusal(
+                "--pp-size",
+                "pipeline parallelism rebuilds each forward's result between its stages, so the "
+                "checkpoint capture riding on it never reaches the scheduler: no checkpoint "
+                "would enter the tree and twins would wait for ones that never come",
+            )
+        )
     cp = (
         ("--attn-cp-size", int(getattr(server_args, "attn_cp_size", 1) or 1) > 1),
         ("--dcp-size", int(getattr(server_args, "dcp_size", 1) or 1) > 1),
@@ -270,6 +279,7 @@ SUPPORT_TABLE: tuple[tuple[str, str], ...] = (
     ("--linear-attn-decode-backend any", "supported: decode runs the chosen upstream kernel"),
     ("--enable-two-batch-overlap / --enable-single-batch-overlap", "refused"),
     ("--enable-pdmux", "refused"),
+    ("--pp-size > 1", "refused (kda policy or sglang_kda's kernel)"),
     ("--attn-cp-size > 1 / --dcp-size > 1 / --enable-prefill-cp", "refused"),
     ("--mamba-radix-cache-strategy extra_buffer, overlap scheduler, --page-size",
      "supported (the CUDA defaults)"),

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 from sglang_kda import _boot
 from sglang_kda import config as kda_config
@@ -90,12 +91,13 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     * ``--device cpu``; ``--attention-backend torch_native`` (MLA runs absorbed, see
       ``patches/mla_cpu.py``); ``--sampling-backend pytorch``.
     * ``--sleep-on-idle``: an idle scheduler otherwise spins a whole core polling its sockets.
-    * ``--disable-overlap-schedule`` and ``--mamba-radix-cache-strategy no_buffer``: upstream's
-      ``auto`` picks ``extra_buffer`` under overlap scheduling, which SGLang's in-tree CPU
-      platform refuses. With ``--mamba-radix-cache-strategy extra_buffer`` given, or a
-      ``--page-size`` above 1 (which ``no_buffer`` cannot run; ``extra_buffer`` is then added),
-      neither is added: the server runs on :mod:`sglang_kda.cpu.platform` (see :func:`cpu_env`)
-      with the overlap scheduler and any ``--page-size``, the configuration GPUs serve with.
+    * ``--mamba-radix-cache-strategy extra_buffer`` with the overlap scheduler: what SGLang
+      resolves for a KDA model on a GPU (an H200 serving Kimi-Linear), so the CPU default is
+      the shape GPU users run. SGLang's in-tree CPU platform refuses ``extra_buffer``; the
+      server runs on :mod:`sglang_kda.cpu.platform` (see :func:`cpu_env`), which allows it.
+      ``--mamba-radix-cache-strategy no_buffer`` stays an option (page size 1, no overlap:
+      ``--disable-overlap-schedule`` is added with it, as ``no_buffer`` requires); it is the
+      default of a PD server on CPU (:func:`extra_buffer_on_cpu` says why).
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
       float32 checkpoints to float16, which is slow on CPUs and lossy).
     * ``--mem-fraction-static 0.3`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
@@ -119,11 +121,13 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     default("--device", "cpu")
     default("--attention-backend", "torch_native")
     default("--sampling-backend", "pytorch")
-    if not extra_buffer_on_cpu(argv):
-        default("--disable-overlap-schedule")
-        default("--mamba-radix-cache-strategy", "no_buffer")
-    else:  # a page size above 1 picks the strategy that supports it
+    if extra_buffer_on_cpu(argv):
         default("--mamba-radix-cache-strategy", "extra_buffer")
+    else:  # no_buffer (asked for, or PD): SGLang asserts the overlap scheduler off with it
+        default("--mamba-radix-cache-strategy", "no_buffer")
+        default("--disable-overlap-schedule")
+    if _pd_server(argv):  # SGLang's PD overlap loops need CUDA events (extra_buffer_on_cpu)
+        default("--disable-overlap-schedule")
     default("--sleep-on-idle")
     if _has_flag(argv, "--enable-hierarchical-cache"):  # CPU copies: sglang_kda.cpu.kvcacheio
         default("--hicache-io-backend", "direct")
@@ -143,10 +147,21 @@ def _page_size(argv: list[str]) -> int:
 
 
 def extra_buffer_on_cpu(argv: list[str]) -> bool:
-    """Whether a CPU server runs SGLang's ``extra_buffer`` state cache: asked for, or implied by
-    a ``--page-size`` above 1 with no strategy given (``no_buffer`` supports page size 1 only)."""
+    """Whether a CPU server runs SGLang's ``extra_buffer`` state cache with the overlap
+    scheduler: the default, as SGLang resolves it on GPUs, unless
+    ``--mamba-radix-cache-strategy no_buffer`` is given, or the server is one side of PD
+    disaggregation with no strategy given: SGLang's PD prefill overlap loop records a CUDA
+    event for every request whose prefix was cached (``maybe_send_cached_prefix_chunk``),
+    which the CPU engine has not, so a CPU PD server runs without overlap, and with
+    ``no_buffer`` unless its page size needs ``extra_buffer``."""
     strategy = _flag_value(argv, "--mamba-radix-cache-strategy")
-    return strategy == "extra_buffer" or (strategy is None and _page_size(argv) > 1)
+    if strategy is not None:
+        return strategy != "no_buffer"
+    return not _pd_server(argv) or _page_size(argv) > 1  # no_buffer runs page size 1 only
+
+
+def _pd_server(argv: list[str]) -> bool:
+    return _flag_value(argv, "--disaggregation-mode") in ("prefill", "decode")
 
 
 def cpu_env(sglang_argv: list[str]) -> dict[str, str]:
@@ -330,12 +345,12 @@ def _reject_on_cpu(argv: list[str]) -> None:
         raise ConfigError(
             f"--page-size {_page_size(argv)} needs --mamba-radix-cache-strategy extra_buffer "
             "(SGLang's no_buffer supports page size 1 only); drop --mamba-radix-cache-strategy "
-            "no_buffer and the CPU engine picks extra_buffer for you"
+            "no_buffer (the CPU default is extra_buffer)"
         )
     if strategy not in (None, "no_buffer", "extra_buffer"):
         raise ConfigError(
-            f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use no_buffer "
-            "(the default) or extra_buffer"
+            f"--mamba-radix-cache-strategy {strategy} is not supported on CPU; use extra_buffer "
+            "(the default) or no_buffer"
         )
 
 
@@ -372,9 +387,45 @@ def build_argv(argv: list[str]) -> tuple[KDAConfig, list[str], bool]:
         if config.kernel == "upstream":
             raise ConfigError("--kda-kernel upstream (SGLang's own KDA kernel) needs a CUDA GPU")
         rest += cpu_defaults(rest, model_path)
-    # On CUDA nothing is added for any kernel: sglang_kda's writes SGLang's extra_buffer track
-    # snapshot, so SGLang's own choices (overlap scheduler, extra_buffer, page size) stand.
+        if config.policy == "kda" and extra_buffer_on_cpu(rest):
+            if not _has_flag(rest, "--mamba-track-interval"):
+                rest += ["--mamba-track-interval", str(track_interval(_page_size(rest)))]
+    # On CUDA nothing is added to the argv for any kernel: sglang_kda's writes SGLang's
+    # extra_buffer track snapshot, so SGLang's own choices (overlap scheduler, extra_buffer,
+    # page size) stand; the track interval is declared after SGLang's resolution
+    # (cuda_track_interval), where the page size is known.
     return config, rest, cpu_engine
+
+
+def track_interval(page_size: int) -> int:
+    """``--mamba-track-interval`` under the kda policy with ``extra_buffer``: the checkpoint
+    grid ``max(64, page size)`` (SGLang's default is 256).
+
+    Why: under ``extra_buffer`` a finished request hands the tree the state SGLang last
+    tracked, which during decode is taken every ``--mamba-track-interval`` tokens. At 256 the
+    next turn of a conversation resumed up to 256 tokens (plus the answer) before the previous
+    turn's end (on CPU a 132-token turn left its state at 64); at the grid it resumes within
+    one grid step, as the prompt's own checkpoints do. Cost: one state copy per request every
+    64 decode tokens."""
+    return max(64, int(page_size or 1))
+
+
+def cuda_track_interval(config: KDAConfig, server_args, argv: list[str]) -> Optional[int]:
+    """On CUDA under the kda policy with ``extra_buffer``: declare :func:`track_interval` at
+    SGLang's resolved page size as one more resolution step, unless the user set
+    ``--mamba-track-interval`` (in ``argv``). Returns the interval declared, or None."""
+    if config.policy != "kda" or not hasattr(server_args, "resolve_once"):
+        return None
+    if _has_flag(argv, "--mamba-track-interval"):
+        return None
+    server_args.resolve_once()
+    if resolved(server_args, "mamba_radix_cache_strategy") != "extra_buffer":
+        return None
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    every = track_interval(int(resolved(server_args, "page_size") or 1))
+    declare_resolution(server_args, "sglang_kda.track_interval", mamba_track_interval=every)
+    return every
 
 
 def _model_config_json(model_path: str, revision=None) -> dict | None:
@@ -554,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         config, note = cuda_checkpoint_plan(config, server_args)
         os.environ.update(config.to_env())  # before SGLang spawns its ranks, which read it
         print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
+    if not cpu_engine:
+        cuda_track_interval(config, server_args, sglang_argv)
     bad_spacing = spacing_error(config, server_args, cpu_engine)
     if bad_spacing:
         print(f"sglang_kda.launch_server: error: {bad_spacing}", file=sys.stderr)

@@ -90,7 +90,9 @@ def scheduler_report(ctx, scheduler=None) -> dict:
             for p, b, r, t in state.RECENT_CUTS
         ]
     if "batch_result_processor" in report["patches"] and scheduler is not None:
-        report["cache"] = cache_report(scheduler)
+        report["cache"] = cache_report(
+            scheduler, walk_under_load=ctx.config.debug_integrity == "on"
+        )
     if "scheduler" in report["patches"] and scheduler is not None:
         st = getattr(scheduler, "_kda_budget", None)
         report["budget"] = st.report() if st else {"mode": "off (stock scheduling)"}
@@ -119,9 +121,14 @@ def rank_reports(server_info: dict) -> list[dict]:
     return out
 
 
-def cache_report(scheduler) -> dict:
+def cache_report(scheduler, walk_under_load: bool = False) -> dict:
     """The checkpoint cache's counters and an integrity check of tree, state pool and the live
-    requests (run here, between scheduler steps, where every live request is accounted for)."""
+    requests (run here, between scheduler steps, where every live request is accounted for).
+
+    The strict walk runs when the scheduler holds no request, or always with
+    ``walk_under_load`` (``--kda-debug-integrity on``): it reads every tree state's slot to
+    the host, which on CUDA waits for the scheduler's stream, so a server under load does not
+    pay it on every ``/server_info``; the report then says so (``ok`` None, ``skipped``)."""
     from sglang_kda.cache.checkpoints import (
         IntegrityError,
         held_states,
@@ -147,6 +154,15 @@ def cache_report(scheduler) -> dict:
         queue = getattr(getattr(scheduler, name, None), "queue", None) or []
         live += [d.req for d in queue if getattr(d, "req", None) is not None]
     live = list({id(r): r for r in live}.values())
+    if live and not walk_under_load:
+        out["integrity"] = {
+            "ok": None,
+            "skipped": f"{len(live)} requests held; the walk runs when idle, or on every call "
+            "with --kda-debug-integrity on",
+        }
+        if state.LAST_INTEGRITY:
+            out["integrity_last_step"] = dict(state.LAST_INTEGRITY)
+        return out
     try:
         out["integrity"] = integrity_report(tree, live, strict=True)
         out["integrity"]["ok"] = True

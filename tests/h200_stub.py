@@ -39,6 +39,7 @@ GPU_FIELDS = (
     "tp_size",
     "linear_attn_prefill_backend",
     "linear_attn_decode_backend",
+    "mamba_track_interval",
 )
 
 

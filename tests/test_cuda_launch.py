@@ -121,6 +121,9 @@ def test_default_start_on_an_h200_uses_sglangs_resolved_arguments(launches):
         assert r["mamba_radix_cache_strategy"] == "extra_buffer"
         assert r["disable_overlap_schedule"] is False
         assert launches[key]["env"]["SGLANG_KDA_POLICY"] == "kda"
+        assert r["mamba_track_interval"] == 64  # the grid at page 1 (SGLang's own: 256)
+    for key in ("stock_tp1", "stock_tp8"):
+        assert _ok(launches[key])["mamba_track_interval"] == 256
 
 
 @pytest.mark.parametrize("tp, every", [(1, 5568), (4, 1408), (8, 704)])

@@ -49,6 +49,9 @@ def test_extra_buffer_on_cpu_selects_the_platform_and_keeps_overlap(tiny_model_d
     assert cpu and "--disable-overlap-schedule" not in argv
     assert argv.count("--mamba-radix-cache-strategy") == 1
     assert cpu_env(argv)["SGLANG_PLATFORM"] == PLATFORM_NAME
-    _, argv, _ = build_argv(base)  # the CPU default stays no_buffer without overlap
-    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    _, argv, _ = build_argv(base)  # the CPU default is the same: the GPU's shape
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
+    assert "--disable-overlap-schedule" not in argv
+    assert cpu_env(argv)["SGLANG_PLATFORM"] == PLATFORM_NAME
+    _, argv, _ = build_argv([*base, "--mamba-radix-cache-strategy", "no_buffer"])
     assert "--disable-overlap-schedule" in argv and "SGLANG_PLATFORM" not in cpu_env(argv)

@@ -42,8 +42,11 @@ def test_cpu_defaults_yield_to_user_flags(tiny_model_dir):
     argv = ["--attention-backend", "torch_native", "--dtype", "bfloat16"]
     extra = cpu_defaults(argv, str(tiny_model_dir))
     assert "--attention-backend" not in extra and "--dtype" not in extra
-    assert extra[extra.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
-    assert "--disable-overlap-schedule" in extra
+    # the GPU's shape: extra_buffer with the overlap scheduler
+    assert extra[extra.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
+    assert "--disable-overlap-schedule" not in extra
+    extra = cpu_defaults(["--mamba-radix-cache-strategy", "no_buffer"], str(tiny_model_dir))
+    assert "--disable-overlap-schedule" in extra  # no_buffer asserts overlap off
     # float32 checkpoint -> float32 (SGLang's auto would pick float16)
     extra = cpu_defaults([], str(tiny_model_dir))
     assert extra[extra.index("--dtype") + 1] == "float32"
@@ -66,10 +69,10 @@ def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
         build_argv(["--model-path", ".", "--speculative-algorithm", "EAGLE"])
 
 
-def test_cpu_page_size_above_one_picks_extra_buffer(tiny_model_dir, monkeypatch):
+def test_cpu_page_size_above_one_runs_extra_buffer(tiny_model_dir, monkeypatch):
     """SGLang's no_buffer asserts page size 1 (a raw AssertionError at start before): a CPU
-    server given only --page-size 64 runs extra_buffer on sglang_kda's CPU platform, and an
-    explicit no_buffer with it fails at start naming both flags."""
+    server given --page-size 64 runs the default extra_buffer on sglang_kda's CPU platform, and
+    an explicit no_buffer with it fails at start naming both flags."""
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
     model = ["--model-path", str(tiny_model_dir)]
     _, argv, _ = build_argv([*model, "--page-size", "64"])
@@ -77,7 +80,7 @@ def test_cpu_page_size_above_one_picks_extra_buffer(tiny_model_dir, monkeypatch)
     assert "--disable-overlap-schedule" not in argv
     assert cpu_env(argv).get("SGLANG_PLATFORM") == "sglang_kda_cpu"
     _, argv, _ = build_argv([*model, "--page-size", "1"])
-    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+    assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
     with pytest.raises(ConfigError, match="--page-size 64.*--mamba-radix-cache-strategy"):
         build_argv([*model, "--page-size", "64", "--mamba-radix-cache-strategy", "no_buffer"])
 
@@ -199,3 +202,38 @@ def test_one_rank_leaves_a_core_to_the_other_processes():
     for environ in ({"OMP_NUM_THREADS": "2"}, {THREADS_BIND_ENV: "0,1"}):
         assert cpu_compute_threads_env(_ranks_args(), environ=environ, cores=2) == ({}, None)
     assert cpu_compute_threads_env(_ranks_args(tp=2), environ={}, cores=2) == ({}, None)
+
+
+def test_kda_policy_tracks_decode_states_on_the_grid(tiny_model_dir, monkeypatch):
+    """Under extra_buffer a finished request hands the tree its last tracked state: the kda
+    policy tracks decode every grid step (SGLang's default is 256), so a conversation's next
+    turn resumes within one grid step of the previous turn's end. Stock and no_buffer keep
+    SGLang's; a user's value wins."""
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    model = ["--model-path", str(tiny_model_dir)]
+
+    def interval(*argv):
+        _, out, _ = build_argv([*model, *argv])
+        flag = "--mamba-track-interval"
+        return out[out.index(flag) + 1] if flag in out else None
+
+    assert interval() == "64"
+    assert interval("--page-size", "128") == "128"
+    assert interval("--kda-policy", "stock") is None
+    assert interval("--mamba-radix-cache-strategy", "no_buffer") is None
+    assert interval("--mamba-track-interval", "512") == "512"
+
+
+def test_a_pd_server_on_cpu_runs_without_overlap(tiny_model_dir, monkeypatch):
+    """SGLang's PD prefill overlap loop records a CUDA event per cached-prefix request (the
+    CPU engine's first such request killed the scheduler): a CPU PD server runs no_buffer
+    without overlap (extra_buffer without overlap at a page size above 1)."""
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    model = ["--model-path", str(tiny_model_dir)]
+    for mode in ("prefill", "decode"):
+        _, argv, _ = build_argv([*model, "--disaggregation-mode", mode])
+        assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "no_buffer"
+        assert "--disable-overlap-schedule" in argv
+        _, argv, _ = build_argv([*model, "--disaggregation-mode", mode, "--page-size", "64"])
+        assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
+        assert "--disable-overlap-schedule" in argv

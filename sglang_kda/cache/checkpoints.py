@@ -62,9 +62,11 @@ def planned_checkpoints(
     """``(batch row, request, position)`` of every checkpoint of ``cap`` that
     :func:`insert_checkpoints` offers the tree, in order.
 
-    Skipped: finished or cache-barred requests, decode rows of a mixed batch, positions already
-    covered by the request's protected prefix, and the slice end of a request whose prefill goes
-    on (SGLang's own chunk-end checkpoint copies the live state there).
+    Skipped: finished or cache-barred requests, decode rows of a mixed batch, and the slice end
+    of a request whose prefill goes on (SGLang's own chunk-end checkpoint copies the live state
+    there). Positions the request's protected prefix already covers are kept: under the overlap
+    scheduler the request was stashed (its protected prefix moved to the slice end) before this
+    forward's result is processed; those go in beside it (:func:`_insert_below_protected`).
     """
     out = []
     for i, req in enumerate(reqs):
@@ -74,9 +76,8 @@ def planned_checkpoints(
             continue
         end = cap.prefix_lens[i] + cap.extend_lens[i]
         unfinished = end < len(req.full_untruncated_fill_ids)
-        protected = req.kv.cache_protected_len
         for pos in cap.positions_of(i):
-            if pos % every or pos <= protected or (pos == end and unfinished):
+            if pos % every or (pos == end and unfinished):
                 continue
             out.append((i, req, pos))
     return out
@@ -102,12 +103,23 @@ def reserve_slots(tree_cache, need: int, alpha: Optional[float]) -> int:
     """
     if alpha is None or need <= 0:
         return 0
-    pool = tree_cache.req_to_token_pool
-    short = need - int(pool.mamba_allocator.available_size())
+    free, size = tree_slots(tree_cache)
+    short = need - free
     if short <= 0:
         return 0
+    return _evicted(int(evict_states(tree_cache, short + size // EVICT_HEADROOM, alpha)))
+
+
+def tree_slots(tree_cache) -> tuple[int, int]:
+    """``(free, size)`` of the pool the tree's states live in: SGLang's int8 checkpoint pool
+    with ``--enable-int8-mamba-checkpoint`` (the active pool then holds live requests only),
+    else the state pool live requests share."""
+    ck = int8_pool(tree_cache)
+    if ck is not None:
+        return int(ck.available_size()), int(getattr(ck, "num_slots", 0) or 0)
+    pool = tree_cache.req_to_token_pool
     size = int(getattr(getattr(pool, "mamba_pool", None), "size", 0) or 0)
-    return int(evict_states(tree_cache, short + size // EVICT_HEADROOM, alpha))
+    return int(pool.mamba_allocator.available_size()), size
 
 
 _TRACKED = ("mamba_last_track_seqlen", "mamba_prev_track_seqlen")
@@ -126,11 +138,13 @@ def insert_checkpoints(
         n_cap, n_batch = len(cap.prefix_lens), len(reqs)
         logger.warning("capture/batch mismatch (%d vs %d); dropped", n_cap, n_batch)
         return 0
-    plan = planned_checkpoints(reqs, cap, every)
+    plan = [c for c in planned_checkpoints(reqs, cap, every) if not in_session(tree_cache, c[1])]
     reserve_slots(tree_cache, len(plan), alpha)
     inserted = 0
     for i, req, pos in plan:
         if pos <= req.kv.cache_protected_len:
+            row = cap.row_index(i, pos)
+            inserted += _insert_below_protected(tree_cache, req, pos, cap, row, alpha)
             continue
         req._kda_checkpoint = (cap, cap.row_index(i, pos))
         # Under extra_buffer SGLang's unfinished-insert cleanup forgets the request's tracked
@@ -149,6 +163,76 @@ def insert_checkpoints(
     if inserted:
         STATS.add("checkpoints_admitted", inserted)
     return inserted
+
+
+def in_session(tree_cache, req) -> bool:
+    """Whether ``req`` is a streaming-session turn running on its session's KV record: the
+    session, not the request, holds that record's tree lock and decides what the turn
+    publishes (SGLang's ``StreamingSession.try_checkpoint``), so grid inserts and in-flight
+    resumes, which move the request's own lock, leave it to SGLang."""
+    session = getattr(tree_cache, "session", None)
+    borrowed = getattr(session, "borrowed_slot", None)
+    return borrowed is not None and borrowed(req) is not None
+
+
+def _insert_below_protected(tree_cache, req, pos: int, cap, row, alpha) -> int:
+    """Insert one captured checkpoint at ``pos`` inside the request's protected prefix (whose KV
+    the tree already owns along the request's path) as a state on that path's node at ``pos``
+    (split there if needed); the request's lock, last node and protected prefix stay as they
+    are. Returns 1 when the state entered the tree, 0 when the node already held one or no slot
+    could be had.
+
+    Why not ``checkpoint_into_tree``: it inserts ``[cache_protected_len, up_to)`` and moves the
+    request's lock to the insert's end, so a position below the protected prefix would pull
+    the request back. The overlap scheduler stashes a chunked request (its chunk-end insert
+    moves the protected prefix to the chunk end) before the chunk's own result is processed,
+    so every grid checkpoint inside a non-final chunk lands here."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    page = int(getattr(tree_cache, "page_size", 1) or 1)
+    if row is None or pos % page:
+        return 0
+    req._kda_checkpoint = (cap, row)
+    try:
+        slot = write_checkpoint_slot(tree_cache, req, alpha)
+    finally:
+        req._kda_checkpoint = None
+    if slot is None:
+        return 0
+    key = RadixKey(
+        req.full_untruncated_fill_ids[:pos],
+        req.extra_key,
+        is_bigram=tree_cache.tree_core.is_eagle,
+        cache_salt=req.cache_salt,
+    )
+    values = tree_cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :pos]
+    params = InsertParams(
+        key=key,
+        value=values.to(dtype=torch.int64, copy=True),
+        mamba_value=slot,
+        prev_prefix_len=pos,  # every KV page up to pos is the tree's own: nothing to dedup-free
+        inserted_len=pos,  # the request counted these nodes when it inserted them
+        priority=req.priority or 0,
+        session_id=req.session_id,
+        rotation_base=req.kv_rotation_base,
+    )
+    result = tree_cache.insert(params)
+    if result.mamba_exist or result.last_device_node is None:
+        _free_tree_slot(tree_cache, slot)
+        return 0
+    note_state(tree_cache, result.last_device_node, pos)
+    STATS.add("checkpoints_below_protected")
+    return 1
+
+
+def _free_tree_slot(tree_cache, slot: torch.Tensor) -> None:
+    """Give back a slot :func:`write_checkpoint_slot` took (int8 pool or state pool)."""
+    ck = int8_pool(tree_cache)
+    if ck is not None:
+        ck.free(slot.view(-1))
+    else:
+        tree_cache.req_to_token_pool.mamba_allocator.free(slot.view(-1))
 
 
 def write_checkpoint_slot(cache, req, alpha: Optional[float] = None) -> Optional[torch.Tensor]:
@@ -241,6 +325,23 @@ def checkpoint_insert(req, is_finished: bool) -> bool:
     return not is_finished and getattr(req, "_kda_checkpoint", None) is not None
 
 
+def behind_protected(req, cache_len: Optional[int]) -> Optional[int]:
+    """What the MAMBA component's ``prepare_for_caching_req`` returns for SGLang's own insert
+    (chunk end, prompt end, finish) once it chose ``cache_len``: 0 (cache nothing: the insert's
+    cleanup gives back the slot it prepared) when that lies inside the request's protected
+    prefix, else ``cache_len``.
+
+    Why: under ``extra_buffer`` SGLang caches only up to the state it tracked
+    (``mamba_last_track_seqlen``), which may lie below a grid checkpoint this package already
+    inserted for the request (SGLang tracks a branch point, ``mamba_branching_seqlen``, instead
+    of the slice's last grid point). The tree holds that prefix with its states already, and
+    ``checkpoint_into_tree`` asserts that an insert reaches the protected prefix."""
+    if cache_len is not None and 0 < cache_len < req.kv.cache_protected_len:
+        STATS.add("upstream_inserts_behind")
+        return 0
+    return cache_len
+
+
 def prepare_checkpoint(cache, req, insert_params, token_ids_len: int, alpha=None) -> int:
     """What the MAMBA component's ``prepare_for_caching_req`` returns for a checkpoint insert:
     the insert's state becomes a fresh slot holding the checkpoint
@@ -266,6 +367,8 @@ def resume_in_flight(tree_cache, req) -> int:
     if getattr(tree_cache, "disable", True) or req.kv.req_pool_idx is None:
         return 0
     if not req.kv.holds_mamba or req.kv.cache_protected_len != req.prefix_len:
+        return 0
+    if in_session(tree_cache, req):
         return 0
     token_ids = req.full_untruncated_fill_ids
     limit = req._compute_max_prefix_len(len(token_ids))
@@ -314,7 +417,9 @@ def resume_in_flight(tree_cache, req) -> int:
 
 
 def _live_state_slots(reqs: Iterable) -> list[int]:
-    """The state slots live requests hold. A finished request is not live: SGLang's
+    """The state slots live requests hold: each one's live slot and, under ``extra_buffer``,
+    its ping-pong track slots (SGLang's ``mamba_ping_pong_track_buffer``: where the forward
+    snapshots the state SGLang's own inserts donate). A finished request is not live: SGLang's
     ``cache_finished_req`` hands its slot to the tree (or frees it) but leaves ``mamba_pool_idx``
     set, and the request stays in the running batch until the next step filters it out."""
     out = []
@@ -323,6 +428,9 @@ def _live_state_slots(reqs: Iterable) -> list[int]:
             continue
         if r.kv.holds_mamba and r.kv.mamba_pool_idx is not None:
             out.append(int(r.kv.mamba_pool_idx))
+            track = getattr(r.kv, "mamba_ping_pong_track_buffer", None)
+            if track is not None:
+                out.extend(int(x) for x in track.view(-1).tolist())
     return out
 
 
@@ -454,18 +562,21 @@ def holds_state(component, node) -> bool:
     return value is not None
 
 
-def note_insert(component, result, is_finished: bool, cap: int, alpha=None, params=None) -> None:
+def note_insert(
+    component, result, is_finished: bool, cap: int, alpha=None, params=None, ours=False
+) -> None:
     """After a tree insert (``result``: its ``InsertResult``; ``params``: its ``InsertParams``,
     whose key length is the node's depth): the node now holding the state is noted in the state
-    book; after a finished request's insert the tree is brought back under
-    ``cap`` states (``--kda-checkpoint-pool-size``; the prefill-step check runs before requests
-    finish)."""
+    book; after any insert of SGLang's own (not ``ours``: the prefill step's grid checkpoints,
+    checked once per step) the tree is brought back under ``cap`` states
+    (``--kda-checkpoint-pool-size``): SGLang's prompt-end and finish inserts come after the
+    prefill step's check, and a finish insert may store nothing (:func:`behind_protected`)."""
     node = getattr(result, "last_device_node", None)
     if node is not None and holds_state(component, node):
         key = getattr(params, "key", None)
         note_state(component.cache, node, len(key) if key is not None else None)
-        if is_finished and cap:  # the cap also holds between prefill steps
-            enforce_pool_size(component.cache, cap, alpha)
+    if cap and not ours:  # the cap also holds between prefill steps (a counter read when met)
+        enforce_pool_size(component.cache, cap, alpha)
 
 
 def note_match(component, params, result) -> None:

@@ -23,6 +23,14 @@ _HELP = {
         "Times an in-flight chunked request jumped to a deeper cached checkpoint"
     ),
     "checkpoints_admitted": "Grid checkpoints inserted into the radix tree",
+    "checkpoints_below_protected": (
+        "Grid checkpoints inserted inside their request's protected prefix (under the overlap "
+        "scheduler a chunk's result is processed after its request moved on)"
+    ),
+    "upstream_inserts_behind": (
+        "SGLang's own state inserts skipped because their tracked state lay inside a prefix "
+        "the grid checkpoints had already cached"
+    ),
     "checkpoints_skipped_no_slot": "Grid checkpoints dropped because no state slot could be had",
     "checkpoints_evicted": "Checkpoints (KDA states) evicted from the radix tree",
     "twin_waits": "Rounds a request waited for a twin computing its shared prefix",
@@ -62,6 +70,8 @@ class CacheStats:
     tokens_from_checkpoints_midprefill: int = 0
     midprefill_resumes: int = 0
     checkpoints_admitted: int = 0
+    checkpoints_below_protected: int = 0
+    upstream_inserts_behind: int = 0
     checkpoints_skipped_no_slot: int = 0
     checkpoints_evicted: int = 0
     twin_waits: int = 0

@@ -98,6 +98,7 @@ class AdderRound:
             return extend_len  # a position on the spacing is captured inside the slice anyway
         if prefix_len + self.grid <= at < prefix_len + extend_len:
             self.counts["branch_cuts"] += 1
+            self.round_chunked = True  # SGLang carries one chunked request a round: this one
             return at - prefix_len
         return extend_len
 

@@ -190,9 +190,13 @@ class RoundPlanner:
         error: Optional[float] = None,
         overhead: Optional[float] = None,
         slow: Optional[float] = None,
+        launched: Iterable[str] = (),
     ) -> Optional[Decision]:
         """Plan the round. ``queue``: (rid, prompt tokens done) of the in-flight request and
-        every waiting one; prefills no longer queued leave the book (aborted). ``error``: the
+        every waiting one; prefills no longer queued leave the book (aborted), except those in
+        ``launched`` (a step that runs them is launched and its result not processed yet: under
+        the overlap scheduler a prompt's last slice is still running while the next round is
+        planned; its deadline is booked when the result comes). ``error``: the
         cost model's recent relative error (raises the deadline margin). ``overhead``: the
         scheduler's measured time per round outside the step (comes out of the round budget).
         ``slow``: how much slower than the cost model recent steps ran (the round budget is
@@ -201,7 +205,8 @@ class RoundPlanner:
         book = self.book
         decode_ctx = budget_mod.ctx_tuple(decode_ctx)  # one tuple for all the round's predictions
         present = dict(queue)
-        for rid in [r for r in book.live if r not in present]:
+        running = set(launched)
+        for rid in [r for r in book.live if r not in present and r not in running]:
             book.drop(rid)
         for rid, done in present.items():
             book.progress(rid, done)

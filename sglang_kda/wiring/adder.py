@@ -106,13 +106,17 @@ def in_flight_limit(
     return limit
 
 
-def cut_admission(st: AdderRound, req: Any, adm: Any, turned_down: Any) -> Any:
+def cut_admission(
+    st: AdderRound, req: Any, adm: Any, turned_down: Any, chunking: bool = True
+) -> Any:
     """Upstream's admission of ``req`` (``adm``, or an ``AddReqResult``) as the pass takes it: a
     chunked admission is ``turned_down`` (upstream's ``AddReqResult.CONTINUE``) while the round
     holds an unfinished chunked request (:meth:`AdderRound.refuse_cut`), else cut on the grid;
-    then an admission whose prompt matched cached KV past its state is cut where that KV ends
+    then, when chunked prefill is on (``chunking``: the adder has a chunk budget), an admission
+    whose prompt matched cached KV past its state is cut where that KV ends
     (:meth:`AdderRound.branch_cut`, from SGLang's ``req.mamba_branching_seqlen``), which makes
-    it chunked."""
+    it chunked. Without chunked prefill (``--chunked-prefill-size -1``) SGLang has no chunk
+    budget to carry a chunked request on, so no branch cut is made."""
     if not hasattr(adm, "extend_len"):
         return adm
     if adm.is_chunked:
@@ -123,7 +127,7 @@ def cut_admission(st: AdderRound, req: Any, adm: Any, turned_down: Any) -> Any:
         remaining = len(req.full_untruncated_fill_ids) - adm.prefix_len
         taken = st.cut(adm.prefix_len, adm.extend_len, remaining)
         adm = dataclasses.replace(adm, extend_len=taken)
-    branch = getattr(req, "mamba_branching_seqlen", None)
+    branch = getattr(req, "mamba_branching_seqlen", None) if chunking else None
     taken = st.branch_cut(adm.prefix_len, adm.extend_len, branch)
     if taken < adm.extend_len:
         adm = dataclasses.replace(adm, extend_len=taken, is_chunked=True, max_new_tokens=0)

@@ -201,6 +201,15 @@ class StepClock:
         while len(self.pending) > MAX_PENDING:  # a step whose result never came (aborted run)
             self.pending.pop(next(iter(self.pending)))
 
+    def launched_prefills(self) -> set:
+        """The rids of the prefills in steps launched whose results are not in yet (the
+        ``info`` :meth:`BudgetRuntime.launched` stamps: (shape, ((rid, done), ...)))."""
+        out = set()
+        for _key, _start, info in self.pending.values():
+            prefills = info[1] if isinstance(info, tuple) and len(info) == 2 else ()
+            out.update(rid for rid, _done in prefills)
+        return out
+
     def finished(self, key: Any, end: float) -> Optional[tuple[Any, float]]:
         """(the launch's ``info``, seconds the step took), or ``None`` for a step never launched
         here."""
@@ -354,6 +363,7 @@ class BudgetRuntime:
             error=error,
             overhead=overhead,
             slow=slow,
+            launched=self.clock.launched_prefills(),
         )
         self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:

@@ -19,9 +19,11 @@ def _req(n_tokens, protected=0, finished=False):
     )
 
 
-def _tree(free, size=0):
+def _tree(free, size=0, int8=None):
     alloc = SimpleNamespace(available_size=lambda: free)
     pool = SimpleNamespace(mamba_allocator=alloc, mamba_pool=SimpleNamespace(size=size))
+    if int8 is not None:  # (free, size) of SGLang's int8 checkpoint pool
+        pool.mamba_ckpt_pool = SimpleNamespace(available_size=lambda: int8[0], num_slots=int8[1])
     return SimpleNamespace(disable=False, req_to_token_pool=pool)
 
 
@@ -37,9 +39,9 @@ def test_counts_what_insert_checkpoints_inserts():
     assert len(planned_checkpoints([_req(65536, 8192)], _cap(8192, 4096), 64)) == 63
     # the last slice of a prompt: its end is inserted too
     assert len(planned_checkpoints([_req(12288, 8192)], _cap(8192, 4096), 64)) == 64
-    # positions inside the protected prefix are skipped
-    # (9024 .. 12224)
-    assert len(planned_checkpoints([_req(65536, 9000)], _cap(8192, 4096), 64)) == 51
+    # positions inside the protected prefix are kept: under the overlap scheduler the request
+    # was stashed (protected prefix at the slice end) before its slice's result is processed
+    assert len(planned_checkpoints([_req(65536, 12288)], _cap(8192, 4096), 64)) == 63
     assert len(planned_checkpoints([_req(65536, finished=True)], _cap(0, 4096), 64)) == 0
 
 
@@ -67,3 +69,43 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
     calls.clear()
     assert reserve_slots(_tree(32, size=256), 4, 1.0) == 0
     assert calls == []
+
+
+def test_int8_checkpoints_reserve_in_their_own_pool(monkeypatch):
+    """With ``--enable-int8-mamba-checkpoint`` the tree's states live in the int8 pool: a full
+    active pool (live requests) evicts nothing, a full int8 pool gets its headroom."""
+    from sglang_kda.cache import checkpoints
+
+    calls = []
+    monkeypatch.setattr(checkpoints, "evict_states", lambda tree, n, alpha: calls.append(n) or n)
+    assert reserve_slots(_tree(0, size=256, int8=(100, 512)), 4, 1.0) == 0
+    assert calls == []
+    assert reserve_slots(_tree(200, size=256, int8=(0, 512)), 4, 1.0) == 4 + 512 // 8
+    assert calls == [68]
+
+
+def test_streaming_session_turns_are_left_to_sglang():
+    """A streaming-session turn runs on its session's KV record, whose tree lock the session
+    holds (SGLang's ``StreamingSession.try_checkpoint``): grid inserts, which move the
+    request's own lock, skip it (before, they bypassed the session and left it a lock its
+    close never released)."""
+    from sglang_kda.cache.checkpoints import insert_checkpoints
+
+    inserted = []
+
+    class Tree:
+        disable = False
+        req_to_token_pool = _tree(100).req_to_token_pool
+
+        def checkpoint_into_tree(self, req, up_to):
+            inserted.append(up_to)
+
+    tree = Tree()
+    req = _req(1024)
+    req.kv.mamba_last_track_seqlen = None
+    cap = _cap(0, 256)
+    tree.session = SimpleNamespace(borrowed_slot=lambda r: object())
+    assert insert_checkpoints(tree, [req], cap, 64) == 0 and inserted == []
+    tree.session = SimpleNamespace(borrowed_slot=lambda r: None)
+    insert_checkpoints(tree, [req], cap, 64)
+    assert inserted == [64, 128, 192]  # the slice end (256) is SGLang's chunk-end insert

@@ -163,3 +163,35 @@ def test_stock_policy_keeps_only_what_the_machine_needs():
 
 def test_kda_policy_on_cpu_wires_the_scheduler_policy():
     assert "schedule_policy" in _wanted("kda", cpu=True)
+
+
+_BARE_ADDER = r"""
+import json
+import sglang_kda
+from sglang_kda import patches
+from sglang_kda.config import KDAConfig
+
+ctx = patches.PatchContext(config=KDAConfig(policy="kda"), on_cuda=False, cpu_engine=True)
+patches.patch_module("schedule_policy").apply(ctx)
+from sglang.srt.managers.schedule_policy import PrefillAdder
+
+adder = object.__new__(PrefillAdder)  # as SGLang's own unit tests build one
+adder.mamba_chunk_grid = 64
+got = [adder.floor_chunked_tokens(200, 1000), adder.floor_chunked_tokens(200, 150)]
+want = [PrefillAdder.floor_chunked_tokens.__wrapped__(adder, 200, 1000),
+        PrefillAdder.floor_chunked_tokens.__wrapped__(adder, 200, 150)]
+print("RESULT " + json.dumps({"got": got, "want": want}))
+"""
+
+
+def test_adder_built_without_init_runs_upstreams_methods():
+    """SGLang's newer unit tests build a ``PrefillAdder`` with ``object.__new__``: the patched
+    methods then behave as upstream's instead of raising ``AttributeError: _kda``."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _BARE_ADDER], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["got"] == out["want"] == [192, 200]

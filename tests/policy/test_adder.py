@@ -15,15 +15,20 @@ def test_branch_cut_lands_where_the_cached_kv_ends():
     # state at 512, cached KV to 600: cut at 576, one grid step past the state
     assert st.branch_cut(512, 178, 600) == 64
     assert st.counts["branch_cuts"] == 1
+    # the cut made this admission the round's chunked request: a second one is not cut (SGLang
+    # carries one chunked request; the other would sample a token mid-prompt)
+    assert st.round_chunked and st.branch_cut(512, 178, 600) == 178
+    assert st.counts["branch_cuts"] == 1
+
+    def fresh():
+        return AdderRound(64, every=256)
+
     # nothing cached past the state, less than a grid step past it, or past the admission's end
-    assert st.branch_cut(512, 178, None) == 178
-    assert st.branch_cut(512, 178, 570) == 178
-    assert st.branch_cut(512, 60, 600) == 60
+    assert fresh().branch_cut(512, 178, None) == 178
+    assert fresh().branch_cut(512, 178, 570) == 178
+    assert fresh().branch_cut(512, 60, 600) == 60
     # a position on the spacing is captured inside the slice anyway
-    assert st.branch_cut(0, 900, 800) == 900 and st.branch_cut(256, 900, 530) == 900
-    # the round already holds an unfinished chunked request: one per round
-    st.round_chunked = True
-    assert st.branch_cut(512, 178, 600) == 178
+    assert fresh().branch_cut(0, 900, 800) == 900 and fresh().branch_cut(256, 900, 530) == 900
     # no KDA states in the tree (grid 1), or the spacing is the grid: never cut
     assert AdderRound(1).branch_cut(512, 178, 600) == 178
     assert AdderRound(64).branch_cut(512, 178, 600) == 178
@@ -55,3 +60,14 @@ def test_cut_admission_turns_a_whole_admission_into_a_chunk_at_the_branch():
     st.round_chunked = True
     req.mamba_branching_seqlen = 576
     assert cut_admission(st, req, Admission(512, 128, 0, True), turned_down) is turned_down
+
+
+def test_no_branch_cut_without_chunked_prefill():
+    """``--chunked-prefill-size -1``: SGLang has no chunk budget to carry a chunked request on
+    (a branch cut there killed the scheduler in ``PrefillBudget.available_chunk_tokens``), so an
+    admission is never made chunked by a branch cut."""
+    req = SimpleNamespace(full_untruncated_fill_ids=list(range(690)), mamba_branching_seqlen=576)
+    whole = Admission(512, 178, 16, False)
+    st = AdderRound(64, every=256)
+    assert cut_admission(st, req, whole, object(), chunking=False) == whole
+    assert st.counts["branch_cuts"] == 0 and not st.round_chunked

@@ -140,6 +140,22 @@ def test_planner_keeps_the_book_in_step_with_the_queue():
     assert planner.decide(MODEL, 0.4, [30], [], inflight=None) is None
 
 
+def test_a_prefill_whose_last_slice_is_still_running_stays_booked():
+    """Under the overlap scheduler the next round is planned before the step running a
+    prompt's last slice is processed: that prompt has left the queue but is not aborted; its
+    deadline is booked when the result comes (before, every deadline under overlap went
+    uncounted: ``met`` stayed 0)."""
+    cfg = BudgetConfig(grid=GRID, max_slice=256, ttft_deadline_s=10.0)
+    planner = RoundPlanner(cfg)
+    planner.book.admit(MODEL, "last-slice", 0.0, 200)
+    planner.decide(MODEL, 0.1, [], [], inflight=None, launched={"last-slice"})
+    assert "last-slice" in planner.book.live
+    assert planner.book.finish("last-slice", 0.2)[0] is True  # met
+    planner.book.admit(MODEL, "aborted", 0.0, 200)
+    planner.decide(MODEL, 0.3, [], [], inflight=None)
+    assert "aborted" not in planner.book.live
+
+
 def test_planner_lets_decode_into_a_prefill_that_must_run_alone():
     """The planner counts the ``alone`` rounds in a row; once the prompt's spare time pays for a
     decode round at the even spacing, a round carries decode (``interleave``) and the count

@@ -104,8 +104,9 @@ def test_stock_hicache_starts_and_serves_on_cpu(servers, ref):
     more = ids + out["output_ids"] + [rng.randrange(10, 1000) for _ in range(40)]
     out2 = gen(srv, more)
     assert_matches_reference(out2, ref(more), "stock + HiCache, the follow-up")
-    # SGLang's stock cache keeps the finished request's state (prompt + output less one)
-    assert out2["meta_info"]["cached_tokens"] == len(ids) + NEW - 1
+    # SGLang's stock cache under extra_buffer keeps the state it last tracked: the prompt's
+    # last 64-token step (decode tracks every 256 tokens)
+    assert out2["meta_info"]["cached_tokens"] == len(ids) // 64 * 64
 
 
 def _run(server, prompts) -> tuple[list[dict], list[dict], dict, dict, dict]:
@@ -155,7 +156,8 @@ def test_host_tier_serves_what_the_device_tier_shed(servers, ref, capsys):
     # every repeat resumes from its deepest grid checkpoint (576 of 600) on the host tier
     assert host["cached"] == PROMPTS * (PROMPT_LEN // 64 * 64)
     tier = host["integrity"]["host"]
-    assert tier["host_slots_in_use"] == tier["host_only_states"] + tier["backed_device_states"]
+    only, used = tier["host_only_states"], tier["host_slots_in_use"]
+    assert only <= used <= only + tier["backed_device_states"]  # (host_tier.host_integrity)
     assert tier["host_only_states"] > 0
     assert "host" not in device["integrity"]
 

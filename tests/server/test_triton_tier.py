@@ -5,9 +5,9 @@ The server starts with ``--kda-kernel triton`` and ``TRITON_INTERPRET=1`` in its
 extend and decode of the tiny model runs ``kernels/kda/`` in Triton's interpreter, with
 the same adapter, capture and checkpoint insertion a CUDA server runs. It runs in the state
 cache configurations of :data:`CONFIGS`: what GPUs serve with (``extra_buffer``: the overlap
-scheduler on, page size 1 and 64; on CPU through :mod:`sglang_kda.cpu.platform`) and the CPU
-default (``no_buffer``, no overlap). In each, a torch-path server (``--kda-kernel torch``, same
-flags) runs the same scenario first; both must:
+scheduler on, page size 1 and 64; on CPU through :mod:`sglang_kda.cpu.platform`, the CPU
+default too) and ``no_buffer`` without overlap (an option). In each, a torch-path server
+(``--kda-kernel torch``, same flags) runs the same scenario first; both must:
 
 * answer like the independent float64 forward (``tests/reference_forward.py``): greedy tokens
   identical, log-probs within ``LOGPROB_ATOL``;
@@ -54,7 +54,7 @@ CONFIGS = {
         "256",
     ],
     "extra_buffer-page64": ["--mamba-radix-cache-strategy", "extra_buffer", "--page-size", "64"],
-    "no_buffer": [],
+    "no_buffer": ["--mamba-radix-cache-strategy", "no_buffer"],
 }
 FAST = ("extra_buffer-page1", "extra_buffer-page64")
 
