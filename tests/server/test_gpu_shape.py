@@ -105,7 +105,7 @@ def test_no_buffer_resume_off_the_grid_is_cut_back_onto_it(case, ref):
         "/generate",
         {"input_ids": first, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}},
     ).json()
-    turn = first + out["output_ids"] + TAIL[100:400]
+    turn = first + out["output_ids"] + TAIL + BASE[700:]  # 400 new tokens: more than a chunk
     r = server.post(
         "/generate",
         {
