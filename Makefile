@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu serve test model bench-kernels lint clean libibverbs
+.PHONY: venv venv-gpu serve test model bench-kernels gpu-kit lint clean libibverbs
 
 venv: $(STAMP)
 
@@ -67,6 +67,13 @@ test: venv
 
 bench-kernels: venv
 	$(BIN)/python benchmark/kernel_kda.py
+
+# One archive of what the lent H200 machine lacks (SGLang trimmed, sglang-kernel 0.4.5, the small
+# wheels of requirements/gpu-kit.txt, this package): build/gpu-kit/sglang-kda-gpu-kit.tar.xz, at
+# most 32 MiB. Downloads from the registry; GPU_KIT_ARGS="--python PY312" also imports the serving
+# modules from it with a Python 3.12 that has torch (docs/gpu.md, "GPU kit").
+gpu-kit: venv
+	$(BIN)/python benchmark/gpu_kit.py $(GPU_KIT_ARGS)
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
