@@ -10,7 +10,9 @@ defaults:
 - ``kda``: this project's defaults (``SimConfig.from_flags(KDAConfig())``: what the server runs
   with no ``--kda-*`` flag): grid cuts, checkpoints every ``parity_spacing`` (704 tokens at TP8:
   one state's bytes in KV tokens, rounded up to the 64 grid, as the CUDA launcher resolves it),
-  twins, in-flight resume, the marconi eviction rule with its bonus, the serial budget.
+  twins, in-flight resume, the marconi eviction rule with its bonus, the serial budget; its KDA
+  chunk steps cost ``costs.KDA_KERNEL_RATIO`` (1.29) x fla's, sglang_kda's kernel as measured on
+  an H200 (the engine's ranks apply ``KimiLinearH200.for_policy``; stock: fla's speed).
 
 Prints per policy: prefill tokens computed / prompt tokens, that over the ideal
 (``mooncake.ideal_prefill``: every repeated block prefix cached forever), TTFT p50 / p99, the

@@ -467,16 +467,21 @@ def _device_bytes(server_args) -> int:
 
 
 def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str]:
-    """On CUDA with ``--kda-checkpoint-every 0``: the memory-parity spacing and the capture's
-    reservation (:func:`sglang_kda.policy.spacing.cuda_plan`). Returns the config to export and
-    a line to log.
+    """On CUDA under the kda policy: the checkpoint spacing (memory parity with
+    ``--kda-checkpoint-every 0``, else the user's, kept) and the memory reservation
+    (:func:`sglang_kda.policy.spacing.cuda_plan`). Returns the config to export and a line to
+    log.
 
     Works on SGLang's resolved arguments: it runs SGLang's own resolution first
     (``ServerArgs.resolve_once``; ``run_server``'s later call then returns at once) and reads the
-    page size, chunk, dtypes and static memory fraction SGLang chose (on an H200: page 1 under
-    FA3, chunk 8192, fraction 0.9). The capture's bytes are taken out of SGLang's own fraction as
-    one more resolution step (``declare_resolution``), never a guess in its place. A fraction
-    the user set stands; the note then says how much the capture needs outside it.
+    page size, chunk, dtypes, overlap scheduler, state-cache strategy, PD mode and static memory
+    fraction SGLang chose (on an H200: page 1 under FA3, chunk 8192, overlap on,
+    ``extra_buffer``, fraction 0.9), and whether the serial budget plans rounds
+    (``--kda-budget``). What one forward can hold beyond SGLang's sizing (the captures held at
+    once of the largest round, the kernel's scratch and state buffer for one layer, SGLang's own
+    activation reserve for the round's tokens past the chunk) is taken out of SGLang's own
+    fraction as one more resolution step (``declare_resolution``), never a guess in its place. A
+    fraction the user set stands; the note then says how much the plan needs outside it.
     """
     import dataclasses
 
@@ -498,6 +503,7 @@ def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str
     user_fraction = (getattr(server_args, "_raw_input", None) or {}).get(
         "mem_fraction_static", getattr(server_args, "mem_fraction_static", None)
     )
+    strategy = resolved(server_args, "mamba_radix_cache_strategy")
     plan = cuda_plan(
         model,
         tp_size=int(resolved(server_args, "tp_size") or 1),
@@ -506,6 +512,11 @@ def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str
         mem_fraction_static=float(fraction),
         gpu_bytes=_device_bytes(server_args),
         kv_dtype_bytes=kv_bytes,
+        every=config.checkpoint_every,
+        budget_on=config.budget_on,
+        overlap=not resolved(server_args, "disable_overlap_schedule"),
+        pd_prefill=resolved(server_args, "disaggregation_mode") == "prefill",
+        track_states=strategy is None or str(strategy).startswith("extra_buffer"),
     )
     note = plan.note
     if user_fraction is not None and hasattr(server_args, "resolve_once"):
@@ -518,6 +529,8 @@ def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str
         )
     else:  # a plain namespace (tests of this function alone)
         server_args.mem_fraction_static = plan.mem_fraction_static
+    if config.checkpoint_every:  # the user's spacing is exported as given
+        return config, note
     return dataclasses.replace(config, checkpoint_every=plan.every), note
 
 
@@ -601,16 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sglang_kda.launch_server: error: {r}", file=sys.stderr)
     if refused:
         return 2
-    if not cpu_engine and config.policy == "kda" and config.checkpoint_every == 0:
+    bad_spacing = spacing_error(config, server_args, cpu_engine)
+    if bad_spacing:  # before the plan, which reserves for the spacing
+        print(f"sglang_kda.launch_server: error: {bad_spacing}", file=sys.stderr)
+        return 2
+    if not cpu_engine and config.policy == "kda":  # the default spacing or the user's
         config, note = cuda_checkpoint_plan(config, server_args)
         os.environ.update(config.to_env())  # before SGLang spawns its ranks, which read it
         print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
     if not cpu_engine:
         cuda_track_interval(config, server_args, sglang_argv)
-    bad_spacing = spacing_error(config, server_args, cpu_engine)
-    if bad_spacing:
-        print(f"sglang_kda.launch_server: error: {bad_spacing}", file=sys.stderr)
-        return 2
     if cpu_engine:  # before SGLang spawns its ranks, which read it
         bind_env, note = cpu_threads_bind_env(server_args)
         if not bind_env:

@@ -71,6 +71,15 @@ REFUSED = {
 }
 
 
+# TP8 starts whose reserve differs from the default's (test_reserve_follows_the_server_shape)
+PLANNED = {
+    "explicit_every": ["--kda-checkpoint-every", "1024"],
+    "pd_prefill": ["--disaggregation-mode", "prefill"],
+    "budget_off": ["--kda-budget", "off"],
+    "no_overlap": ["--disable-overlap-schedule"],
+}
+
+
 @pytest.fixture(scope="module")
 def launches(tiny_model_dir, tmp_path_factory) -> dict:
     big = tmp_path_factory.mktemp("kimi-linear-48b")
@@ -80,7 +89,7 @@ def launches(tiny_model_dir, tmp_path_factory) -> dict:
         **{f"48b_tp{tp}": ["--model-path", str(big), "--tp", str(tp)] for tp in (1, 4, 8)},
         **{
             f"stock_tp{tp}": ["--model-path", str(big), "--tp", str(tp), "--kda-policy", "stock"]
-            for tp in (1, 8)
+            for tp in (1, 4, 8)
         },
         "user_fraction": ["--model-path", str(big), "--tp", "4", "--mem-fraction-static", "0.8"],
         "decode_backend": [
@@ -92,6 +101,7 @@ def launches(tiny_model_dir, tmp_path_factory) -> dict:
             "cutedsl",
         ],
         "int8": ["--model-path", str(big), "--tp", "8", "--enable-int8-mamba-checkpoint"],
+        **{k: ["--model-path", str(big), "--tp", "8", *argv] for k, argv in PLANNED.items()},
         **{k: ["--model-path", str(big), "--tp", "8", *argv] for k, (argv, _) in REFUSED.items()},
     }
     proc = subprocess.run(
@@ -136,20 +146,77 @@ def test_default_start_plans_parity_spacing_for_kimi_linear_48b(launches, tp, ev
     assert "8192-token chunk" in out["stderr"]
 
 
-@pytest.mark.parametrize("tp", [1, 8])
-def test_capture_reserve_comes_off_sglangs_own_fraction(launches, tp):
-    """The stock server's fraction is SGLang's own sizing; the kda default takes exactly one
-    chunk's capture and one layer's kernel scratch off it, nothing else."""
+ROUND = 12351  # the serial budget's largest round at chunk 8192, grid 64 (spacing.max_round_tokens)
+PAST_CHUNK = (ROUND - 8192) * 3 * 2**19  # SGLang's 1.5 MiB of activations a token past its chunk
+
+
+def reserve_bytes(tp: int, every: int, tokens=ROUND, captures=2, state_every=64) -> int:
+    """The reserve by hand: the captures held at once, each of the largest round; the kernel's
+    scratch for one layer over it with its fp32 state buffer; SGLang's activation reserve for
+    the tokens past its chunk."""
+    cfg = kimi_linear_48b_config()
+    cap = capture_bytes(state_sizes(cfg, tp), tokens, every)
+    scratch = kernel_scratch_bytes(cfg, tp, tokens, state_every=state_every)
+    return captures * cap + scratch + (PAST_CHUNK if tokens > 8192 else 0)
+
+
+@pytest.mark.parametrize(
+    "tp, every, reserve",
+    [(1, 5568, 8228503552), (4, 1408, 7097958400), (8, 704, 6920757248)],
+)
+def test_capture_reserve_comes_off_sglangs_own_fraction(launches, tp, every, reserve):
+    """The stock server's fraction is SGLang's own sizing; the kda default takes off it what a
+    forward can hold beyond that sizing, nothing else: two captures of a 12,351-token round
+    (the overlap scheduler keeps batch N's while N+1 runs), one layer's kernel scratch with its
+    state every 64 tokens (``ck_buf``) over that round, and SGLang's activation reserve for the
+    4,159 tokens past its 8,192-token chunk (6,238 MiB). Before issue 37: one 8,192-token
+    chunk's capture and scratch without ``ck_buf`` (TP1 727 MiB, TP8 144 MiB)."""
     own = _ok(launches[f"stock_tp{tp}"])["mem_fraction_static"]
     ours = _ok(launches[f"48b_tp{tp}"])["mem_fraction_static"]
-    cfg = kimi_linear_48b_config()
-    every = {1: 5568, 8: 704}[tp]
-    reserve = capture_bytes(state_sizes(cfg, tp), 8192, every) + kernel_scratch_bytes(cfg, tp, 8192)
+    assert reserve_bytes(tp, every) == reserve
     assert 0.8 < own < 0.95
     assert ours == pytest.approx(own - reserve / H200_BYTES, abs=1e-4)
+    stderr = launches[f"48b_tp{tp}"]["stderr"]
+    assert f"{reserve / 2**20:.0f} MiB, --mem-fraction-static {own:.3f} -> {ours:.3f}" in stderr
+    assert "rounds up to 12351 tokens" in stderr and "2 captures x" in stderr
     assert "SGLANG_KDA_CHECKPOINT_EVERY" not in launches[f"stock_tp{tp}"]["env"] or (
         launches[f"stock_tp{tp}"]["env"]["SGLANG_KDA_CHECKPOINT_EVERY"] == "0"
     )
+
+
+def test_an_explicit_spacing_is_kept_and_planned(launches):
+    """``--kda-checkpoint-every 1024``: exported as given, and the reserve is taken for it
+    (before issue 37 an explicit spacing skipped the plan: nothing was reserved)."""
+    out, default = launches["explicit_every"], launches["48b_tp8"]
+    assert out["env"]["SGLANG_KDA_CHECKPOINT_EVERY"] == "1024"
+    assert "checkpoints every 1024 tokens" in out["stderr"]
+    assert "--kda-checkpoint-every)" in out["stderr"]
+    own = _ok(launches["stock_tp8"])["mem_fraction_static"]
+    reserve = reserve_bytes(8, 1024)
+    assert reserve == 6920757248 - 2 * 5 * 5611520  # 13 checkpoints a capture, not 18
+    assert _ok(out)["mem_fraction_static"] == pytest.approx(own - reserve / H200_BYTES, abs=1e-4)
+    assert _ok(out)["mem_fraction_static"] > _ok(default)["mem_fraction_static"] - 1e-4
+
+
+@pytest.mark.parametrize(
+    "key, kwargs",
+    [
+        ("pd_prefill", {"captures": 3}),  # the PD prefill overlap loop holds three
+        ("budget_off", {"tokens": 8192}),  # SGLang's own rounds: the chunk
+        ("no_overlap", {"state_every": 704}),  # no_buffer: no track snapshot, states at 704
+    ],
+)
+def test_reserve_follows_the_server_shape(launches, key, kwargs):
+    out = launches[key]
+    r = _ok(out)
+    if key == "no_overlap":
+        assert r["disable_overlap_schedule"] is True
+        assert r["mamba_radix_cache_strategy"] == "no_buffer"
+    reserve = reserve_bytes(8, 704, **kwargs)
+    line = next(x for x in out["stderr"].splitlines() if "reserved per rank" in x)
+    own = float(line.split("--mem-fraction-static ")[1].split(" ")[0])
+    assert f"{reserve / 2**20:.0f} MiB, --mem-fraction-static" in line
+    assert r["mem_fraction_static"] == pytest.approx(own - reserve / H200_BYTES, abs=1e-4)
 
 
 def test_a_users_static_fraction_stands(launches):

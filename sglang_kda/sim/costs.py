@@ -108,6 +108,15 @@ MOE_DECODE_BPS = 0.8 * H200_HBM_BPS
 # Not used: cuLA PR #86's 23.8 ms serial at 128K, H=4 (11.6 us per chunk), an outlier 6x slower.
 KDA_SERIAL_S = 1.9e-6
 KDA_PER_HEAD_CHUNK_S = 3.576e-3 / 256 / 64
+KDA_KERNEL_RATIO = 1.29
+"""sglang_kda's Triton KDA extend against fla's ``chunk_kda``, time ratio, with the fp32 state
+written every 64 tokens (what it does under ``extra_buffer``): measured on an H200 on 2026-12-04
+at T = 8,192, H = 32, K = V = 128, bf16: fla 1.453 ms, ours 1.871 ms, 1.29x (1.751 ms, 1.21x,
+without states; docs/gpu.md, ``benchmark/results/gpu_check/2026-12-04_h200.txt``). The chunk
+steps above are fla's speed; the kda policy runs this kernel (``--kda-kernel auto`` on CUDA), so
+its rounds' KDA chunk steps cost this much more (:meth:`KimiLinearH200.for_policy`). Stock runs
+SGLang's own kernel, taken at fla's speed. One point (T = 8k); the ratio at other lengths and
+spacings is not measured."""
 
 # Kimi Linear tech report (arXiv 2510.26692), fig. 7b, TPOT at batch 1 (read from the figure):
 # 4K 5.09 ms, 128K 5.74, 512K 6.66, 1M 7.99. A line through 4K and 1M gives the fixed cost of a
@@ -218,24 +227,45 @@ class KimiLinearH200:
         / (tp x peak x efficiency)
 
     per_token(tp) is calibrated on the published 128K prefill time (TP8) and scaled by 8 / tp;
-    everything else comes from the constants above.
+    everything else comes from the constants above. ``kda_ratio`` multiplies the KDA chunk step
+    (the prefill kernel's time; not decode's state reads, nor the calibration, which stays at the
+    published run's kernel): 1 for fla's speed, :data:`KDA_KERNEL_RATIO` for sglang_kda's kernel
+    (:meth:`for_policy`).
     """
 
     tp: int = 8
+    kda_ratio: float = 1.0
     coef: _Coef = field(init=False)
     per_token: float = field(init=False)
     _memo: _Memo = field(init=False, repr=False, compare=False)
+    _variants: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp not in (1, 2, 4, 8):
             raise ValueError("tp must be 1, 2, 4 or 8")
+        if not self.kda_ratio > 0:
+            raise ValueError("kda_ratio must be > 0")
         object.__setattr__(self, "coef", _Coef(_t0_published() * _tp_step_factor(self.tp)))
         object.__setattr__(self, "per_token", self._calibrate_per_token())
-        object.__setattr__(self, "_memo", _Memo(_kda_chunk_s(self.tp)))
+        object.__setattr__(self, "_memo", _Memo(self.kda_chunk_s()))
+        object.__setattr__(self, "_variants", {})
+
+    def for_policy(self, kda: bool) -> "KimiLinearH200":
+        """The model a scheduler of this policy runs on: under the kda policy (sglang_kda's
+        Triton kernel in SGLang's KDA slot) the KDA chunk steps at :data:`KDA_KERNEL_RATIO` x
+        fla's (``self`` when already so); otherwise ``self`` (stock: SGLang's kernel). The
+        variant is built once per model, so DP ranks share its memo. The simulator's ranks call
+        this (:class:`sglang_kda.sim.engine.Rank`)."""
+        ratio = KDA_KERNEL_RATIO if kda else self.kda_ratio
+        if ratio == self.kda_ratio:
+            return self
+        if ratio not in self._variants:
+            self._variants[ratio] = KimiLinearH200(self.tp, ratio)
+        return self._variants[ratio]
 
     # -- pieces ---------------------------------------------------------------------------------
     def kda_chunk_s(self) -> float:
-        return _kda_chunk_s(self.tp)
+        return _kda_chunk_s(self.tp) * self.kda_ratio
 
     def _attn_s(self, work: float) -> float:
         return _attn_s(work, self.tp)
@@ -428,6 +458,7 @@ def quadratic_term_tflops() -> float:
 
 
 __all__ = [
+    "KDA_KERNEL_RATIO",
     "RoundCost",
     "cpu_model",
     "KimiLinearH200",

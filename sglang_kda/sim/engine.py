@@ -39,11 +39,13 @@ round:
 * with ``page_size > 1`` the tree is paged: a checkpoint off a page boundary has no node to
   live on and is dropped (its KV is still inserted).
 
-Time: each rank has its own clock; a round takes ``cost.predict(shape)`` seconds. The first
-output token of a request is sampled at the end of the round that finishes its prompt; each
-decode step then adds one token to every running request. Events are processed in time order
-(arrivals before a rank's round that starts at the same instant); ties between ranks go to the
-lower rank id, so a run is a pure function of (trace, config, cost model).
+Time: each rank has its own clock; a round takes ``cost.predict(shape)`` seconds (on a model
+that prices kernels apart, the policy's: ``KimiLinearH200.for_policy`` charges the kda policy's
+KDA chunk steps at sglang_kda's kernel's measured ratio to fla's, ``costs.KDA_KERNEL_RATIO``).
+The first output token of a request is sampled at the end of the round that finishes its
+prompt; each decode step then adds one token to every running request. Events are processed in
+time order (arrivals before a rank's round that starts at the same instant); ties between ranks
+go to the lower rank id, so a run is a pure function of (trace, config, cost model).
 """
 
 from __future__ import annotations
@@ -268,7 +270,11 @@ class Rank:
 
     def __init__(self, cfg: SimConfig, cost, rank_id: int = 0, record: bool = False):
         self.cfg = cfg
-        self.cost = cost
+        # the cost model of this policy's kernel: a model that prices kernels apart
+        # (KimiLinearH200.for_policy: the kda policy's KDA chunk steps at the measured ratio to
+        # fla's) gives its variant; any other model is used as it is
+        for_policy = getattr(cost, "for_policy", None)
+        self.cost = cost if for_policy is None else for_policy(cfg.kda)
         self.id = rank_id
         self.tree = RadixTree(
             cfg.max_checkpoints, cfg.max_tokens, alpha=cfg.alpha,

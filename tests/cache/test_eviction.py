@@ -591,3 +591,25 @@ def test_pick_victims_matches_the_plain_rule(rows, n, alpha):
     for bonus in (PLAIN, STRICT, eviction.BONUS, Bonus(0.3, 0.6, 0.2), Bonus(fork=2.0)):
         got = pick_victims(cs, n, alpha, bonus=bonus)
         assert got == _pick_victims_plain(cs, n, alpha, bonus=bonus)
+
+
+def test_integrity_counts_a_live_requests_track_slots_as_its_own(real_cache_factory):
+    """Under ``extra_buffer`` a live request holds its state slot and two ping-pong track slots
+    (``mamba_ping_pong_track_buffer``); the walk counted only the first, so under load
+    ``/server_info`` reported the track slots as orphans (``ok: false``)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_kda.cache.checkpoints import IntegrityError, integrity_report
+
+    cache, allocator, pool = real_cache_factory("python")
+    slots = pool.mamba_allocator.alloc(3).view(-1)
+    kv = SimpleNamespace(holds_mamba=True, mamba_pool_idx=slots[0].clone())
+    live = SimpleNamespace(kv=kv, finished=lambda: False)
+    with pytest.raises(IntegrityError, match="orphans"):  # what the walk said before
+        integrity_report(cache, [live], strict=True)
+    kv.mamba_ping_pong_track_buffer = torch.stack([slots[1], slots[2]])
+    report = integrity_report(cache, [live], strict=True)
+    assert report["live_states"] == 3 == report["slots_in_use"]
+    pool.mamba_allocator.free(slots)

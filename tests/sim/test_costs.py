@@ -70,7 +70,7 @@ def _reference_predict(m: KimiLinearH200, shape: BatchShape) -> float:
     n_pre = sum(s.extend for s in shape.slices)
     t = m.coef.overhead + m.per_token * n_pre
     steps = max((costs.kda_steps_abs(s.prefix, s.extend) for s in shape.slices), default=0)
-    t += steps * costs.KDA_LAYERS * costs._kda_chunk_s(m.tp)
+    t += steps * costs.KDA_LAYERS * (costs._kda_chunk_s(m.tp) * m.kda_ratio)
     t += costs._attn_s(sum(attention_work(s.prefix, s.extend) for s in shape.slices), m.tp)
     bs = len(shape.decode_ctx)
     if bs:
@@ -129,3 +129,58 @@ def test_memoised_predictions_are_the_formulas_floats_exactly():
                 else 0.0
             )
             assert m.prefill_work(a, a + n) == want == m.prefill_work(a, a + n)
+
+
+def test_kda_policy_pays_the_measured_kernel_ratio():
+    """The kda policy runs sglang_kda's Triton extend, measured at 1.29x fla's time on an H200
+    (T = 8,192, state every 64; docs/gpu.md); stock runs SGLang's kernel, taken at fla's speed.
+    Only the KDA chunk steps change: the round overhead, the per-token term (calibrated on the
+    published run) and decode stay."""
+    import random
+
+    from sglang_kda.policy.cost_model import Slice
+    from sglang_kda.sim import costs
+    from sglang_kda.sim.engine import Rank, SimConfig
+
+    assert costs.KDA_KERNEL_RATIO == 1.29 == round(1.871 / 1.453, 2)
+    for tp in (1, 4, 8):
+        fla = KimiLinearH200(tp)
+        ours = fla.for_policy(kda=True)
+        assert fla.for_policy(kda=False) is fla and fla.kda_ratio == 1.0
+        assert ours is fla.for_policy(kda=True) and ours.for_policy(kda=True) is ours
+        assert ours.kda_ratio == costs.KDA_KERNEL_RATIO
+        assert ours.kda_chunk_s() == pytest.approx(1.29 * fla.kda_chunk_s(), rel=1e-12)
+        assert (ours.coef, ours.per_token) == (fla.coef, fla.per_token)
+        decode = BatchShape.of([4096] * 32)
+        assert ours.predict(decode) == fla.predict(decode)
+        # an 8k slice from 0: 128 chunk steps x 20 KDA layers, each 0.29 x fla's step longer
+        extra = 0.29 * 128 * costs.KDA_LAYERS * fla.kda_chunk_s()
+        for ctx in ((), (4096,) * 8):
+            shape = BatchShape(ctx, (Slice(0, 8192),))
+            assert ours.predict(shape) - fla.predict(shape) == pytest.approx(extra, rel=1e-9)
+        assert ours.prefill_work(0, 8192) - fla.prefill_work(0, 8192) == pytest.approx(
+            extra, rel=1e-9
+        )
+    # TP8, the published 128K prefill: the KDA term is 78 ms of 1.40 s, so +23 ms (+1.6%)
+    fla8 = KimiLinearH200(8)
+    t_fla, t_ours = prefill_alone(fla8, 131072), prefill_alone(fla8.for_policy(True), 131072)
+    assert t_fla == pytest.approx(1.40, rel=1e-9)
+    assert t_ours - t_fla == pytest.approx(0.29 * 2048 * 20 * 1.9e-6, rel=1e-9)
+    # the variant's memoised floats are its formula's
+    rng = random.Random(3)
+    ours8 = fla8.for_policy(True)
+    for _ in range(200):
+        ctx = tuple(rng.randrange(1, 200_000) for _ in range(rng.choice((0, 1, 16))))
+        slices = tuple(
+            Slice(rng.randrange(0, 100_000), rng.randrange(1, 9000))
+            for _ in range(rng.choice((0, 1, 2)))
+        )
+        shape = BatchShape(ctx, slices)
+        assert ours8.predict(shape) == _reference_predict(ours8, shape)
+    # the simulator's ranks: kda on the variant, stock on fla's speed, other models as given
+    assert Rank(SimConfig(policy="kda"), fla8).cost is fla8.for_policy(True)
+    assert Rank(SimConfig(policy="stock"), fla8).cost is fla8
+    cpu = cpu_model()
+    assert Rank(SimConfig(policy="kda"), cpu).cost is cpu
+    with pytest.raises(ValueError, match="kda_ratio"):
+        KimiLinearH200(8, 0.0)
