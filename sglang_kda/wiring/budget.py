@@ -189,7 +189,11 @@ class StepClock:
     last_done: float = -math.inf
     gap_s: Optional[float] = None
 
-    def launched(self, key: Any, start: float, info: Any) -> None:
+    def launched(self, key: Any, start: float, info: Any, ran: Optional[float] = None) -> None:
+        """``ran``: seconds the launch itself took when it ran the whole step before returning
+        (the CPU engine: no device runs behind the scheduler); the step's time is then that,
+        not the time to its result, which under the overlap scheduler comes only after the next
+        step ran too (it measured the next step's time for this step's shape)."""
         if key is None:
             return
         # launched while an earlier step still runs (overlap): the scheduler's work is hidden
@@ -197,7 +201,7 @@ class StepClock:
         if gap <= GAP_MAX_S:
             gap = max(0.0, gap)
             self.gap_s = gap if self.gap_s is None else (1 - GAP_EMA) * self.gap_s + GAP_EMA * gap
-        self.pending[id(key)] = (key, start, info)
+        self.pending[id(key)] = (key, start, info, ran)
         while len(self.pending) > MAX_PENDING:  # a step whose result never came (aborted run)
             self.pending.pop(next(iter(self.pending)))
 
@@ -205,7 +209,7 @@ class StepClock:
         """The rids of the prefills in steps launched whose results are not in yet (the
         ``info`` :meth:`BudgetRuntime.launched` stamps: (shape, ((rid, done), ...)))."""
         out = set()
-        for _key, _start, info in self.pending.values():
+        for _key, _start, info, _ran in self.pending.values():
             prefills = info[1] if isinstance(info, tuple) and len(info) == 2 else ()
             out.update(rid for rid, _done in prefills)
         return out
@@ -216,8 +220,8 @@ class StepClock:
         item = self.pending.pop(id(key), None)
         if item is None or item[0] is not key:
             return None
-        _, start, info = item
-        seconds = end - max(start, self.last_done)
+        _, start, info, ran = item
+        seconds = ran if ran is not None else end - max(start, self.last_done)
         self.last_done = end
         return info, seconds
 
@@ -376,12 +380,13 @@ class BudgetRuntime:
         start: float,
         shape: Optional[BatchShape],
         prefills: Sequence[tuple[str, Optional[int]]] = (),
+        ran: Optional[float] = None,
     ) -> None:
         """A step was launched at ``start`` (``time.perf_counter``): its shape and its prefills
         as :func:`prefills_in` reads them, kept for :meth:`finished`. Only the planning rank
         times steps."""
         if self.leader:
-            self.clock.launched(key, start, (shape, tuple(prefills)))
+            self.clock.launched(key, start, (shape, tuple(prefills)), ran)
 
     def finished(self, key: Any, end: float, now: float) -> None:
         """The result of the step launched as ``key`` is in at ``end`` (``time.perf_counter``;
@@ -703,8 +708,15 @@ def run_timed(sched: Any, batch: Any, run: Callable, *args: Any, **kwargs: Any) 
     shape, prefills = batch_shape(batch), prefills_in(batch)
     start = time.perf_counter()
     result = run(sched, batch, *args, **kwargs)
-    st.launched(result, start, shape, prefills)
+    ran = time.perf_counter() - start if synchronous_forward() else None
+    st.launched(result, start, shape, prefills, ran)
     return result
+
+
+def synchronous_forward() -> bool:
+    """Whether ``run_batch`` returns only once its forward has run: the CPU engine (no device
+    runs behind the scheduler; the launcher sets ``SGLANG_USE_CPU_ENGINE=1``)."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
 def step_done(sched: Any, result: Any) -> None:

@@ -429,3 +429,16 @@ def test_pending_slices_last_one_round_and_leave_in_launch_order():
     assert book.begin() == [] and len(book) == 0  # a result that never comes: dropped
     book.processed([req])  # a late result for a dropped slice changes nothing
     assert len(book) == 0
+
+
+def test_a_step_that_ran_inside_its_launch_is_timed_by_its_launch():
+    """The CPU engine runs the whole forward inside ``run_batch``; under the overlap scheduler
+    step N's result is processed only after step N+1 ran, so timing N to its result measured
+    N+1's forward for N's shape (a 64-token round behind a 4,096-token one was fitted at the
+    long round's 1.5 s). Such a step is timed by its launch."""
+    clock = rt.StepClock()
+    res_n, res_n1 = object(), object()
+    clock.launched(res_n, 10.0, "4096 tokens", ran=1.5)
+    clock.launched(res_n1, 11.5, "64 tokens", ran=0.1)
+    assert clock.finished(res_n, 11.6) == ("4096 tokens", 1.5)  # not 11.6 - 10.0
+    assert clock.finished(res_n1, 11.7) == ("64 tokens", 0.1)
