@@ -160,14 +160,12 @@ def cache_report(scheduler, walk_under_load: bool = False) -> dict:
             "skipped": f"{len(live)} requests held; the walk runs when idle, or on every call "
             "with --kda-debug-integrity on",
         }
-        if state.LAST_INTEGRITY:
-            out["integrity_last_step"] = dict(state.LAST_INTEGRITY)
-        return out
-    try:
-        out["integrity"] = integrity_report(tree, live, strict=True)
-        out["integrity"]["ok"] = True
-    except IntegrityError as e:
-        out["integrity"] = {"ok": False, "error": str(e)}
+    else:
+        try:
+            out["integrity"] = integrity_report(tree, live, strict=True)
+            out["integrity"]["ok"] = True
+        except IntegrityError as e:
+            out["integrity"] = {"ok": False, "error": str(e)}
     if state.LAST_INTEGRITY:
         out["integrity_last_step"] = dict(state.LAST_INTEGRITY)
     return out

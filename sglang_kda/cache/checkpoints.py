@@ -142,11 +142,11 @@ def insert_checkpoints(
     reserve_slots(tree_cache, len(plan), alpha)
     inserted = 0
     for i, req, pos in plan:
+        row = cap.row_index(i, pos)
         if pos <= req.kv.cache_protected_len:
-            row = cap.row_index(i, pos)
             inserted += _insert_below_protected(tree_cache, req, pos, cap, row, alpha)
             continue
-        req._kda_checkpoint = (cap, cap.row_index(i, pos))
+        req._kda_checkpoint = (cap, row)
         # Under extra_buffer SGLang's unfinished-insert cleanup forgets the request's tracked
         # lengths, which its own later inserts (chunk end, finish) still need: keep them.
         tracked = [getattr(req.kv, f, None) for f in _TRACKED]

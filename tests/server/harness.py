@@ -61,12 +61,13 @@ def start_server(
     )
 
 
-def generate(server: Server, input_ids: list[int]) -> dict:
+def generate(server: Server, input_ids: list[int], new: int = NEW_TOKENS) -> dict:
+    """Greedy ``/generate`` of ``new`` tokens (``ignore_eos``) with log-probs; asserts a 200."""
     r = server.post(
         "/generate",
         {
             "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
             "return_logprob": True,
         },
     )

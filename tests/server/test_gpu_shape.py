@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from harness import assert_matches_reference, reference_greedy, start_server
+from harness import assert_matches_reference, generate, reference_greedy, start_server
 
 pytestmark = pytest.mark.server
 
@@ -76,16 +76,7 @@ def test_shared_prefixes_across_chunks_cache_what_the_grid_predicts(case, ref):
     assert info["disable_overlap_schedule"] is not gpu_shape
     cached = []
     for k, (ids, _) in enumerate(prompts):
-        r = server.post(
-            "/generate",
-            {
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
-                "return_logprob": True,
-            },
-        )
-        assert r.status_code == 200, f"prompt {k}: {r.text}\n{server.tail()}"
-        out = r.json()
+        out = generate(server, ids, NEW)
         assert_matches_reference(out, ref(ids), f"prompt {k} ({len(ids)} tokens)")
         cached.append(out["meta_info"]["cached_tokens"])
     assert cached == [c for _, c in prompts]
@@ -101,22 +92,11 @@ def test_no_buffer_resume_off_the_grid_is_cut_back_onto_it(case, ref):
     if gpu_shape:
         pytest.skip("extra_buffer keeps states on the grid only (test_server_kda.py)")
     first = prompts[0][0]
-    out = server.post(
-        "/generate",
-        {"input_ids": first, "sampling_params": {"max_new_tokens": NEW, "temperature": 0}},
-    ).json()
+    out = generate(server, first, NEW)
     turn = first + out["output_ids"] + TAIL + BASE[700:]  # 400 new tokens: more than a chunk
-    r = server.post(
-        "/generate",
-        {
-            "input_ids": turn,
-            "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True,
-        },
-    )
-    assert r.status_code == 200, r.text
-    assert_matches_reference(r.json(), ref(turn), "the next turn")
-    assert r.json()["meta_info"]["cached_tokens"] == len(first) + NEW - 1  # off the grid
+    out = generate(server, turn, NEW)
+    assert_matches_reference(out, ref(turn), "the next turn")
+    assert out["meta_info"]["cached_tokens"] == len(first) + NEW - 1  # off the grid
     cuts = server.kda_report()["recent_cuts"]
     off = [c for c in cuts if c["prefix_len"] % 64 and c["taken"] < c["remaining"]]
     assert off, cuts
