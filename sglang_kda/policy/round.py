@@ -261,7 +261,9 @@ class RoundPlanner:
         next grid point and the progress floor, :func:`~sglang_kda.policy.budget.progress_floor`)
         until decode + slice + shorts fit the budget."""
         long = self.book.live.get(inflight)
-        if long is None:
+        if long is None or tokens >= long.remaining:
+            # a round that finishes it (finish_whole) is not cut back for shorts: they are
+            # given what the round has left (_room_behind_inflight)
             return tokens
         waiting = [p for p in self.book.pending(present) if p.rid != inflight]
         grid = cfg.grid

@@ -990,3 +990,32 @@ def test_spare_tokens_go_behind_only_where_they_save_a_round():
     # step (a tight round), every grid step of the extra saves one
     tight = useful_extra(MODEL, cfg, 256, [cold], 1e-9)
     assert tight == 256
+
+
+def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken_whole():
+    """``drain`` (issue 39): at saturation (decode streams on the CPU engine, arrivals
+    waiting) a 2,000-token prompt sliced to the round budget delays every queued prompt's first
+    token by the rounds it adds. With prompts behind it the gain counts once per waiting prompt
+    and the round may stretch to ``max_round_s``; alone in the queue it is cut as before."""
+    from sglang_kda.policy.budget import finish_whole
+
+    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
+    decode = (1200,) * 4
+    head = Prefill("head", deadline=1e9, done=0, total=2000)
+    queued = [Prefill(f"q{i}", deadline=1e9, done=0, total=1800) for i in range(3)]
+    budget = round_budget(CPU_TINY, decode, cfg)
+    whole = CPU_TINY.predict(BatchShape(decode, (Slice(0, 2000),)))
+    assert FINISH_STRETCH * budget < whole <= cfg.max_round_s  # the stretch alone would cut it
+    alone = plan_round(CPU_TINY, cfg, 0.0, decode, [head])
+    assert alone.mode == "share" and alone.tokens < head.remaining
+    plan = plan_round(CPU_TINY, cfg, 0.0, decode, [head, *queued])
+    assert (plan.rid, plan.mode, plan.tokens, plan.mix_decode) == ("head", "drain", 2000, True)
+    share = alone.tokens
+    assert not finish_whole(CPU_TINY, decode, head, share, budget, cfg)
+    assert finish_whole(CPU_TINY, decode, head, share, budget, cfg, behind=3)
+    # a round past max_round_s is still cut, queue or not
+    big = Prefill("big", deadline=1e9, done=0, total=4096)
+    assert plan_round(CPU_TINY, cfg, 0.0, decode, [big, *queued]).mode != "drain"
+    # without max_round_s the stretch stays FINISH_STRETCH x the budget
+    off = replace(cfg, max_round_s=0.0)
+    assert plan_round(CPU_TINY, off, 0.0, decode, [head, *queued]).mode == "share"
