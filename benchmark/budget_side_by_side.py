@@ -3,7 +3,9 @@
 Experiment 1 (``slices``): N streaming decodes (greedy, long outputs) run; after a decode-only
 window (the baseline ITL), one long prompt (``--long`` tokens, one output token) arrives. Measured:
 the long prompt's TTFT, and the decode streams' inter-token latency (ITL) p50/p99 while it is
-being prefilled, against the decode-only ITL. Configurations, one server each, one after another:
+being prefilled (pooled over the streams), against the decode-only ITL, and beside it each
+stream's worst gap then, p50/p90/max over the streams (``gap_*_ms``,
+:func:`sglang_kda.numbers.worst_gaps`). Configurations, one server each, one after another:
 
 - stock (``--kda-policy stock``) at several ``--chunked-prefill-size`` values, and stock with
   ``--enable-mixed-chunk`` (SGLang's own answer to decode starvation);
@@ -56,6 +58,7 @@ from sglang_kda.harness import (
     tiny_model_dir,
     write_csv,
 )
+from sglang_kda.numbers import worst_gaps
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "budget"
@@ -122,7 +125,8 @@ def run_case(server: Server, tokens: CorpusTokens, args, deadline_ms: float | No
     base = [x for s in streams for x in s.itls(base0, base1)]
     after = [x for s in streams for x in s.itls(after0, after1)]
     # Up to the first decode token after the prompt's answer: a stall shows in the gap.
-    during = [x for s in streams for x in s.itls(res["t0"], res["t1"] + 0.3)]
+    per_stream = [s.itls(res["t0"], res["t1"] + 0.3) for s in streams]
+    during = [x for g in per_stream for x in g]
     gap = max(during, default=0.0)
     for s in streams:
         s.join(timeout=30)
@@ -138,6 +142,7 @@ def run_case(server: Server, tokens: CorpusTokens, args, deadline_ms: float | No
         "itl_p50_ms": 1e3 * percentile(during, 50),
         "itl_p99_ms": 1e3 * percentile(during, 99),
         "itl_max_ms": 1e3 * gap,
+        **worst_gaps(per_stream),  # each stream's worst gap during the prefill
         "decode_tokens_during": len(during),
     }
 

@@ -6,7 +6,8 @@ for each thread count (``--threads``, default ``1 2``), alternating, ``--reps`` 
 the server with that ``OMP_NUM_THREADS`` (default flags, tiny model) and measures
 
 - decode: 4 streaming greedy decodes (200-token prompts, 300 tokens each) started together; the
-  gaps between streamed tokens give ITL p50/p90/p99/max;
+  gaps between streamed tokens give ITL p50/p90/p99/max (pooled) and each stream's worst gap
+  p50/p90/max over the streams (``gap_*_ms``, :func:`sglang_kda.numbers.worst_gaps`);
 - prefill: one ``--prefill-tokens`` prompt alone (``max_new_tokens 1``): its TTFT.
 
 Before the measured requests each server serves a warm-up (prefill and decode at batch 1-4), so
@@ -32,6 +33,7 @@ from pathlib import Path
 import requests
 
 from sglang_kda.harness import launch, percentile, stream_generate_sync, tiny_model_dir, write_csv
+from sglang_kda.numbers import gaps_text, worst_gaps
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "cpu_threads"
@@ -60,20 +62,21 @@ def warm_up(url: str, rng: random.Random) -> None:
         [t.join() for t in ths]
 
 
-def decode_itl(url: str, rng: random.Random, streams: int = 4, new: int = 300) -> list[float]:
-    gaps: list[float] = []
+def decode_itl(url: str, rng: random.Random, streams: int = 4, new: int = 300) -> list[list[float]]:
+    """Each stream's gaps (seconds)."""
+    gaps: list[list[float]] = []
     lock = threading.Lock()
     prompts = [[rng.randrange(8, 1024) for _ in range(200)] for _ in range(streams)]
 
     def one(ids: list[int]) -> None:
         mine = stream_generate_sync(url, ids, new, timeout=1800).itls()
         with lock:
-            gaps.extend(mine)
+            gaps.append(mine)
 
     ths = [threading.Thread(target=one, args=(p,)) for p in prompts]
     [t.start() for t in ths]
     [t.join() for t in ths]
-    return sorted(gaps)
+    return gaps
 
 
 def measure(model: str, threads: int, args, log: Path) -> dict:
@@ -85,7 +88,8 @@ def measure(model: str, threads: int, args, log: Path) -> dict:
         busy = [mp.Process(target=_busy, daemon=True) for _ in range(args.load)]
         [b.start() for b in busy]
         t0 = time.perf_counter()
-        gaps = decode_itl(server.url, rng)
+        per_stream = decode_itl(server.url, rng)
+        gaps = sorted(x for g in per_stream for x in g)
         decode_s = time.perf_counter() - t0
         ids = [rng.randrange(8, 1024) for _ in range(args.prefill_tokens)]
         t0 = time.perf_counter()
@@ -102,6 +106,7 @@ def measure(model: str, threads: int, args, log: Path) -> dict:
         "itl_p90_ms": percentile(gaps, 90) * 1e3,
         "itl_p99_ms": percentile(gaps, 99) * 1e3,
         "itl_max_ms": percentile(gaps, 100) * 1e3,
+        **worst_gaps(per_stream),
         "decode_wall_s": decode_s,
         "prefill_tokens": args.prefill_tokens,
         "prefill_s": prefill_s,
@@ -131,7 +136,8 @@ def main() -> int:
             rows.append(row)
             print(
                 f"threads {t} load {args.load} rep {rep}: ITL p50 {row['itl_p50_ms']:.1f} "
-                f"p99 {row['itl_p99_ms']:.1f} max {row['itl_max_ms']:.1f} ms; "
+                f"p99 {row['itl_p99_ms']:.1f} max {row['itl_max_ms']:.1f} ms, "
+                f"{gaps_text(row)}; "
                 f"{args.prefill_tokens}-token prefill {row['prefill_s']:.2f} s",
                 flush=True,
             )

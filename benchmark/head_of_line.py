@@ -10,7 +10,9 @@ ratios to the stock run of the same turn:
   (``SGLANG_KDA_STEP_TRACE``) also where the long prompt's time went: forward steps, the
   scheduler's time between them, slices run beside other work.
 * ``decode``: four streaming decode streams, then a 6,000-token prompt; reports decode ITL p99
-  while the prompt prefills against decode alone, the prompt's TTFT against its TTFT alone (same
+  while the prompt prefills against decode alone (pooled over the streams' gaps) and beside it
+  each stream's worst gap during the prefill, p50 / p90 / max over the streams
+  (:func:`sglang_kda.numbers.worst_gaps`), the prompt's TTFT against its TTFT alone (same
   server, cache flushed), and whether a per-request deadline of 1.5x alone was met; with
   ``--trace`` also what a round costs with decode alone and with the prompt's slice beside it.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import random
 import shlex
 import statistics
@@ -37,6 +40,7 @@ from pathlib import Path
 
 from sglang_kda import harness as H
 from sglang_kda import steps
+from sglang_kda.numbers import worst_gaps
 
 OUT = H.REPO / "benchmark" / "results" / "head_of_line"
 VOCAB_LO, VOCAB_HI = 10, 1000
@@ -167,8 +171,14 @@ def run_decode(server, prompt_len: int, streams: int, stream_out: int):
             th.join()
         long = res["long"]
         t_start, t_end = long.arrival, long.arrival + long.ttft
-        during = [x for i in range(streams) for x in _gaps_over(res[f"d{i}"], t_start, t_end)]
+        per_stream = [_gaps_over(res[f"d{i}"], t_start, t_end) for i in range(streams)]
+        during = [x for g in per_stream for x in g]
         out[f"decode_itl_p99_during{tag}_ms"] = H.percentile(during, 99) * 1e3
+        # each stream's worst gap during the prefill (its max over streams is the gap max below)
+        worst = worst_gaps(per_stream)
+        for q in ("p50", "p90"):
+            v = worst[f"gap_{q}_ms"]
+            out[f"decode_gap_{q}_during{tag}_ms"] = math.nan if v is None else v
         out[f"decode_gaps_during{tag}"] = len(during)
         out[f"decode_gaps_over_50ms{tag}"] = sum(1 for x in during if x > 0.05)
         out[f"decode_gap_max_during{tag}_ms"] = max(during, default=0.0) * 1e3
@@ -316,10 +326,10 @@ def main() -> None:
             f"again with a deadline of 1.5x its TTFT alone); medians of {args.repeat} runs, the "
             "ratios per run:",
             "",
-            "| config | decode ITL p99 alone / during (ms) | x | gaps over 50 ms (all runs) | "
-            "prompt TTFT alone / with decode (s) | x | with 1.5x deadline: TTFT (s), ITL p99 "
-            "(ms), met |",
-            "|---|---|---|---|---|---|---|",
+            "| config | decode ITL p99 alone / during (ms) | x | a stream's worst gap during: "
+            "p50 / p90 / max (ms) | gaps over 50 ms (all runs) | prompt TTFT alone / with "
+            "decode (s) | x | with 1.5x deadline: TTFT (s), ITL p99 (ms), met |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in med:
             runs = [x for x in rows_dec if x["config"] == r["config"]]
@@ -331,7 +341,9 @@ def main() -> None:
             gaps = sum(x["decode_gaps_during"] for x in runs)
             lines.append(
                 f"| {r['config']} | {r['decode_itl_p99_alone_ms']:.1f} / "
-                f"{r['decode_itl_p99_during_ms']:.1f} | {itl_x:.2f} | {over} of {gaps} | "
+                f"{r['decode_itl_p99_during_ms']:.1f} | {itl_x:.2f} | "
+                f"{r['decode_gap_p50_during_ms']:.0f} / {r['decode_gap_p90_during_ms']:.0f} / "
+                f"{r['decode_gap_max_during_ms']:.0f} | {over} of {gaps} | "
                 f"{r['long_ttft_alone_s']:.2f} / {r['long_ttft_s']:.2f} | {ttft_x:.2f} | "
                 f"{r['long_ttft_deadline_s']:.2f}, {r['decode_itl_p99_during_deadline_ms']:.1f}, "
                 f"{met[r['config']]} of {len(runs)} |"

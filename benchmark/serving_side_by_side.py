@@ -28,7 +28,9 @@ machine whose speed drifts, runs of one policy after the other are not comparabl
 kda run the server's ``/server_info`` sglang_kda report is saved next to the CSV
 (``<out>.<label>.server_info.json``), and every request's TTFT and longest inter-token gap,
 all runs, to ``<out>.requests.csv`` (bench_serving's ``--output-details``): which request set
-a run's TTFT p99.
+a run's TTFT p99. Beside bench_serving's pooled ITL percentiles, the CSV and the ratio table give
+the per-request worst decode gap over the run's requests, ``gap_p50_ms``, ``gap_p90_ms`` and
+``gap_max_ms`` (:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from sglang_kda.harness import launch, tiny_model_dir, write_csv
+from sglang_kda.numbers import GAP_KEYS, worst_gaps
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = (
@@ -52,6 +55,7 @@ METRICS = (
     "mean_tpot_ms",
     "median_itl_ms",
     "p99_itl_ms",
+    *GAP_KEYS,  # the per-request worst decode gap (:func:`with_gaps`), beside pooled ITL
     "mean_e2e_latency_ms",
 )
 
@@ -77,6 +81,12 @@ def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dic
     subprocess.run(cmd, check=True)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return lines[-1]
+
+
+def with_gaps(result: dict) -> dict:
+    """bench_serving's result with the per-request worst decode gap added (from its
+    ``--output-details`` per-request ``itls``, seconds; ``None`` values without them)."""
+    return {**result, **worst_gaps(result.get("itls") or ())}
 
 
 def request_rows(label: str, result: dict) -> list[dict]:
@@ -145,7 +155,7 @@ def main() -> int:
             rounds = out_csv.with_name(f"{out_csv.stem}.{label}.rounds.jsonl")
             extra += ["--kda-round-log", str(rounds)]
         with launch(model, policy=policy, extra=extra, log=log, name=label) as server:
-            results[label] = run_bench(server.port, model, args, tmp / f"{label}.jsonl")
+            results[label] = with_gaps(run_bench(server.port, model, args, tmp / f"{label}.jsonl"))
             if policy != "stock":
                 info = out_csv.with_name(f"{out_csv.stem}.{label}.server_info.json")
                 info.write_text(json.dumps(server.kda_report(), indent=1, default=str))
@@ -162,8 +172,10 @@ def main() -> int:
     print("|---|" + "---|" * (len(names) + 1))
     for m in METRICS:
         vals = [results[n].get(m) for n in names]
-        ratio = vals[-1] / vals[0] if len(vals) == 2 and vals[0] else float("nan")  # 2 runs only
-        print(f"| {m} | " + " | ".join(f"{v:.2f}" for v in vals) + f" | {ratio:.3f} |")
+        ok = len(vals) == 2 and None not in vals and vals[0]  # 2 runs only
+        ratio = vals[-1] / vals[0] if ok else float("nan")
+        cells = " | ".join("" if v is None else f"{v:.2f}" for v in vals)
+        print(f"| {m} | {cells} | {ratio:.3f} |")
     return 0
 
 

@@ -21,12 +21,14 @@ launcher's default since issue 20.3: max(50 ms, 2x the predicted decode step)). 
 simulator runs the same round code as the server (``sglang_kda.policy.round``). Reported: the
 share of short requests waiting over 1 s and over 60 s for their first token, their TTFT
 p50/p99, decode ITL p50/p99/max over the gaps that overlap a long prefill (and p99 over the
-whole run), the long prompts' TTFT and whether the server's default deadlines (10 s + 1 s per
-1,000 prompt tokens) were met.
+whole run, with each request's worst gap over the run beside it: ``gap_p50_ms``, ``gap_p90_ms``,
+``gap_max_ms`` over requests, :func:`sglang_kda.numbers.worst_gaps`), the long prompts' TTFT and
+whether the server's default deadlines (10 s + 1 s per 1,000 prompt tokens) were met.
 
 ``curve`` (item 3): the 1M-token prompt among 32 decode streams, no short prompts, the serial
 budget at ITL targets 10-200 ms and at multiples of the predicted decode step (with and
-without a floor): the long prompt's TTFT and the decode ITL p99 while it prefills, at chunk
+without a floor): the long prompt's TTFT and the decode ITL p99 while it prefills (and each
+stream's worst gap then, p50/p90/max over streams), at chunk
 8192 and 16384 (SGLang's default on GPUs over 96 GB); stock references.
 
 ``concurrent`` (item 2): two 500K-token prompts arriving 1 s apart, prefilled one after the other
@@ -51,7 +53,7 @@ import numpy as np
 
 from sglang_kda import harness
 from sglang_kda.harness import pyplot, save_png
-from sglang_kda.numbers import percentile
+from sglang_kda.numbers import GAP_KEYS, gaps_text, percentile, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig, round_budget
 from sglang_kda.policy.cost_model import BatchShape, Slice
 from sglang_kda.sim import costs as C
@@ -266,15 +268,17 @@ def windows_of(longs: Sequence[SimReq], end: float) -> list[tuple[float, float]]
     return [(r.arrival, r.token_times[0] if r.token_times else end) for r in longs]
 
 
-def gaps_overlapping(
+def gaps_overlapping_each(
     reqs: Sequence[SimReq], windows: Sequence[tuple[float, float]], end: float
-) -> list[float]:
-    """Every inter-token gap of ``reqs`` that overlaps one of ``windows`` (whole gaps: the wait a
-    client saw), plus a still-open gap (last token to ``end``) of a request not done."""
+) -> list[list[float]]:
+    """Per request of ``reqs`` (one list each, empty for none): its inter-token gaps that
+    overlap one of ``windows`` (whole gaps: the wait a client saw), plus a still-open gap (last
+    token to ``end``) of a request not done."""
     out = []
     for r in reqs:
         ts = list(r.token_times)
         if not ts:
+            out.append([])
             continue
         if r.state != "done" and ts[-1] < end:
             ts.append(end)
@@ -283,12 +287,27 @@ def gaps_overlapping(
             lo = max(0, bisect.bisect_right(ts, a) - 1)  # the gap that contains a
             hi = bisect.bisect_left(ts, b)  # the first token at or after b
             hit.update(range(lo, min(hi, len(ts) - 1)))
-        out.extend(ts[i + 1] - ts[i] for i in sorted(hit))
+        out.append([ts[i + 1] - ts[i] for i in sorted(hit)])
     return out
+
+
+def gaps_overlapping(
+    reqs: Sequence[SimReq], windows: Sequence[tuple[float, float]], end: float
+) -> list[float]:
+    """:func:`gaps_overlapping_each` pooled over the requests."""
+    return [x for g in gaps_overlapping_each(reqs, windows, end) for x in g]
 
 
 def pct(xs, q) -> float:
     return percentile(list(xs), q)  # sglang_kda.numbers: the one definition
+
+
+def gaps_cell(r: dict) -> str:
+    """``p50/p90/max`` of the row's worst gaps (ms) for a table cell; empty without them."""
+    vals = [r.get(k) for k in GAP_KEYS]
+    if any(v is None or v == "" for v in vals):
+        return ""
+    return "/".join(f"{v:.0f}" for v in vals)
 
 
 def default_deadline(prompt_tokens: int) -> float:
@@ -306,12 +325,11 @@ def measure_seed(res, wl: Workload) -> dict:
     others = [r for r in res.requests if r.rid not in set(wl.longs)]
     itl_long = gaps_overlapping(others, wins, end)
     warm = min(r.arrival for r in longs) - 5.0
-    itl_all = [
-        y - x
+    per_request = [
+        [y - x for x, y in zip(r.token_times, r.token_times[1:], strict=False) if y > warm]
         for r in others
-        for x, y in zip(r.token_times, r.token_times[1:], strict=False)
-        if y > warm
     ]
+    itl_all = [x for g in per_request for x in g]
     long_ttft = [r.ttft if r.token_times else math.nan for r in longs]
     met = sum(1 for r in longs if r.token_times and r.ttft <= default_deadline(len(r.ids)))
     short_met = sum(
@@ -331,6 +349,8 @@ def measure_seed(res, wl: Workload) -> dict:
         "decode_itl_p99_ms": pct(itl_long, 99) * 1e3,
         "decode_itl_max_ms": max(itl_long) * 1e3 if itl_long else math.nan,
         "run_itl_p99_ms": pct(itl_all, 99) * 1e3,
+        # each request's worst gap over the same stretch as the run ITL (issue 39)
+        **worst_gaps(per_request),
         "long_ttft_mean_s": float(np.mean(long_ttft)),
         "long_ttft_max_s": float(np.max(long_ttft)),
         "long_ttfts_s": " ".join(f"{x:.1f}" for x in long_ttft),
@@ -374,6 +394,7 @@ SEED_COLUMNS = (
     ("decode_itl_p99_ms", "ITL p99 (ms)", "{:.0f}"),
     ("decode_itl_max_ms", "ITL max (ms)", "{:.0f}"),
     ("run_itl_p99_ms", "run ITL p99 (ms)", "{:.1f}"),
+    ("gap_p90_ms", "worst gap p50/p90/max (ms)", gaps_cell),
     ("long_ttfts_s", "long TTFT (s)", "{}"),
     ("long_ttft_vs_stock", "long TTFT / stock", "{}"),
     ("long_deadlines_met", "long deadlines met", "{}"),
@@ -390,6 +411,9 @@ def md_table(rows: list[dict], columns) -> str:
         cells = []
         for key, _, fmt in columns:
             v = r.get(key, "")
+            if callable(fmt):  # a cell of several figures of the row
+                cells.append(fmt(r))
+                continue
             try:
                 cells.append(fmt.format(v))
             except (ValueError, TypeError):
@@ -421,7 +445,8 @@ def exp_seed(args) -> None:
                 f"[seed/{scenario}] {v.name:28s} shorts>1s {row['short_wait_gt_1s_pct']:5.1f}% "
                 f">60s {row['short_wait_gt_60s_pct']:4.1f}% TTFT p50 "
                 f"{row['short_ttft_p50_s']:.3f}s p99 {row['short_ttft_p99_s']:.2f}s | ITL p99 "
-                f"{row['decode_itl_p99_ms']:.0f} ms max {row['decode_itl_max_ms']:.0f} ms | long "
+                f"{row['decode_itl_p99_ms']:.0f} ms max {row['decode_itl_max_ms']:.0f} ms, "
+                f"{gaps_text(row, '.0f')} | long "
                 f"TTFT {row['long_ttfts_s']} s ({row['sim_wall_s']} s)",
                 flush=True,
             )
@@ -439,8 +464,9 @@ def exp_seed(args) -> None:
             f"Long-prefill windows: from a long prompt's arrival to its first token; decode "
             f"ITL p50/p99/max over every inter-token gap (decode streams and short requests) "
             f"that overlaps one; run ITL p99 over all gaps from 5 s before the first long "
-            f"prompt. Deadlines: the server's default (10 s + 1 s per 1K tokens), checked for "
-            f"every configuration.\n\n{md_table(rows, SEED_COLUMNS)}\n"
+            f"prompt, and beside it each request's worst gap over those (p50/p90/max over "
+            f"requests: a user's worst stall). Deadlines: the server's default (10 s + 1 s per "
+            f"1K tokens), checked for every configuration.\n\n{md_table(rows, SEED_COLUMNS)}\n"
         )
     plot_seed(all_rows)
     wall = time.monotonic() - t_all
@@ -501,7 +527,10 @@ def curve_run(v: Variant, model, chunk: int, streams: int) -> dict:
     res = simulate(tr, v.config(chunk), model, stop_when_done=["long"], horizon_s=7200.0)
     long = next(r for r in res.requests if r.rid == "long")
     wins = windows_of([long], res.end_time)
-    itl = gaps_overlapping([r for r in res.requests if r.rid != "long"], wins, res.end_time)
+    per_stream = gaps_overlapping_each(
+        [r for r in res.requests if r.rid != "long"], wins, res.end_time
+    )
+    itl = [x for g in per_stream for x in g]
     rank = res.ranks[0]
     # the streams' contexts when the long prompt arrives (what the factor multiplies then)
     decode_ctx = [
@@ -524,6 +553,7 @@ def curve_run(v: Variant, model, chunk: int, streams: int) -> dict:
         "itl_p50_ms": pct(itl, 50) * 1e3,
         "itl_p99_ms": pct(itl, 99) * 1e3,
         "itl_max_ms": max(itl) * 1e3,
+        **worst_gaps(per_stream),  # each stream's worst gap during the prefill
         "rounds": rank.n_rounds,
         "modes": " ".join(f"{k}:{n}" for k, n in sorted(rank.planner.rounds.items()))
         if rank.planner
@@ -535,8 +565,8 @@ def curve_run(v: Variant, model, chunk: int, streams: int) -> dict:
         row["deadline_missed"] = rank.book.stats.missed
     print(
         f"[curve] chunk {chunk} {v.name:28s} TTFT {row['long_ttft_s']:6.1f} s ITL p50 "
-        f"{row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} max {row['itl_max_ms']:8.0f} ms "
-        f"({row['sim_wall_s']} s)",
+        f"{row['itl_p50_ms']:6.1f} p99 {row['itl_p99_ms']:7.1f} max {row['itl_max_ms']:8.0f} ms, "
+        f"{gaps_text(row, '.0f')} ({row['sim_wall_s']} s)",
         flush=True,
     )
     return row
@@ -568,6 +598,7 @@ def exp_curve(args) -> None:
         ("itl_p50_ms", "ITL p50 (ms)", "{:.1f}"),
         ("itl_p99_ms", "ITL p99 (ms)", "{:.1f}"),
         ("itl_max_ms", "ITL max (ms)", "{:.0f}"),
+        ("gap_p90_ms", "worst gap p50/p90/max (ms)", gaps_cell),
         ("modes", "plan modes (rounds)", "{}"),
         ("sim_wall_s", "sim wall (s)", "{}"),
     )
@@ -596,7 +627,8 @@ def exp_curve(args) -> None:
         f"H200 TP8, page 64, {args.streams} decode streams ({STREAM_PROMPT}-token prompts) "
         "decoding when a 1,048,576-token prompt arrives at 20 s; no short prompts. The serial "
         "budget's `max_slice` is the chunk size; deadlines are the server's defaults (the 1M "
-        "prompt's is 1,058 s, not binding). ITL over the decode gaps that overlap the prefill. "
+        "prompt's is 1,058 s, not binding). ITL over the decode gaps that overlap the prefill "
+        "(pooled), the worst gap over the streams' worst gap among those. "
         "Round budget: the ITL target, or factor x the predicted decode step at the streams' "
         "contexts when the prompt arrives, at least the floor. "
         f"Command: `benchmark/sim_hol.py curve`; runtime {wall:.0f} s on one core.\n\n"

@@ -16,10 +16,11 @@ defaults:
 
 Prints per policy: prefill tokens computed / prompt tokens, that over the ideal
 (``mooncake.ideal_prefill``: every repeated block prefix cached forever), TTFT p50 / p99, the
-share of requests with TTFT over 1 s and 10 s, decode ITL p99, checkpoints held / evicted and
-the run's wall and CPU time (the CPU time counts this process alone on a shared machine); a
-progress line every ``--progress`` simulated seconds. Writes
-``benchmark/results/sim_mooncake/<tag>.csv`` and ``<tag>_ttft_cdf.png``.
+share of requests with TTFT over 1 s and 10 s, decode ITL p99 (pooled) and the per-request
+worst decode gap p50 / p90 / max (``gap_*_ms``), checkpoints held / evicted and the run's wall
+and CPU time (the CPU time counts this process alone on a shared machine); a progress line every
+``--progress`` simulated seconds. Writes ``benchmark/results/sim_mooncake/<tag>.csv`` and
+``<tag>_ttft_cdf.png``.
 
     .venv/bin/python benchmark/sim_mooncake.py --end 1800
     .venv/bin/python benchmark/sim_mooncake.py --dp 8 --router prefix
@@ -40,6 +41,7 @@ from sglang_kda.sim import engine
 from sglang_kda.sim import mooncake as mc
 from sglang_kda.sim.costs import KDA_LAYERS, KimiLinearH200
 from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.numbers import GAP_KEYS, gaps_text
 from sglang_kda.sim.metrics import percentile, summarize
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +139,7 @@ def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) 
         "ttft_over_10s": sum(t > 10 for t in ttfts) / n,
         "itl_p50_ms": percentile(itls, 50) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3,
+        **{k: s[k] for k in GAP_KEYS},  # the per-request worst decode gap, beside pooled ITL
         "checkpoints_held": s["checkpoints_held"],
         "checkpoints_evicted": s["checkpoints_evicted"],
         "checkpoint_every": cfg.checkpoint_every,
@@ -151,7 +154,8 @@ def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) 
         f"[{policy}] prefill {row['prefill_over_prompt']:.3f} of prompt, "
         f"{row['x_ideal']:.2f}x ideal; TTFT p50 {row['ttft_p50_s']:.2f} s p99 "
         f"{row['ttft_p99_s']:.2f} s, >1 s {row['ttft_over_1s']:.1%}, >10 s "
-        f"{row['ttft_over_10s']:.1%}; ITL p99 {row['itl_p99_ms']:.1f} ms; states held "
+        f"{row['ttft_over_10s']:.1%}; ITL p99 {row['itl_p99_ms']:.1f} ms, {gaps_text(row)}; "
+        f"states held "
         f"{row['checkpoints_held']}, evicted {row['checkpoints_evicted']}; "
         f"{row['finished']}/{row['requests']} finished; wall {wall:.1f} s (cpu {cpu:.1f} s)",
         flush=True,

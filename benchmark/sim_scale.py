@@ -13,7 +13,8 @@ is 64 and the tree is paged.
 
 ``slices``: N decode streams (1,000-token prompts) decode from t=0; a 1,048,576-token prompt arrives
 at t=20 s (when every stream decodes). Reported: the long prompt's TTFT and the decode streams' ITL
-p50/p99 over the tokens emitted while it prefills. Stock SGLang at per-round slice sizes
+p50/p99 (pooled) over the tokens emitted while it prefills, and beside them the per-stream worst
+gap in that window p50/p90/max (``gap_*_ms``). Stock SGLang at per-round slice sizes
 (``--chunked-prefill-size``), without and with ``--enable-mixed-chunk``; this project's serial-aware
 budget (``sglang_kda.policy.budget``) at several ITL targets (deadline generous) and several TTFT
 deadlines (ITL target 1.2x the decode-only step, the default before issue 20).
@@ -28,7 +29,8 @@ lack of a state), prefill tokens computed, the document's TTFT and the follow-up
 ``agents``: multi-turn agents sharing an 8k-token system prompt, growing contexts, bursts of
 forks, on 8 DP ranks (TP1 each, 8 H200s) behind a round-robin or a prefix-aware router; the
 checkpoint pool and KV capacity per rank from the H200's memory (``memory_plan``). Reported:
-prefill tokens computed, TTFT p50/p99, stock vs this project.
+prefill tokens computed, TTFT p50/p99 (the CSV also: ITL p50/p99 and the worst gap p50/p90/max),
+stock vs this project.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 
 from sglang_kda import harness
 from sglang_kda.harness import percentile, pyplot, save_png
+from sglang_kda.numbers import GAP_KEYS, gaps_text, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200
@@ -86,7 +89,7 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
     # Decode ITLs while the long prompt prefills: every gap between two tokens of a stream
     # that ends inside (a, b], plus the open gap from a stream's last token to b (the
     # simulation stops at b: a stream starved until then has waited at least that long).
-    itls, starved = [], 0
+    itls, per_stream, starved = [], [], 0
     for r in res.requests:
         if r.rid == "long":
             continue
@@ -98,6 +101,7 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
         if last < b:
             inside.append(b - max(last, a) if last >= a else b - last)
         itls += inside
+        per_stream.append(inside)
     row = {
         **label,
         "streams": streams,
@@ -105,6 +109,7 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
         "itl_p50_ms": percentile(itls, 50) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3,
         "itl_max_ms": max(itls) * 1e3 if itls else math.nan,
+        **worst_gaps(per_stream),  # each stream's worst gap in the window, beside pooled ITL
         "starved_streams": starved,
         "rounds": res.ranks[0].n_rounds,
         "sim_wall_s": round(time.monotonic() - t0, 2),
@@ -115,7 +120,8 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
         row["deadline_missed"] = book.stats.missed
     print(
         f"[slices] {label} N={streams}: TTFT {row['long_ttft_s']:.1f}s, ITL p50 "
-        f"{row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms ({row['sim_wall_s']}s)",
+        f"{row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms, {gaps_text(row)} "
+        f"({row['sim_wall_s']}s)",
         flush=True,
     )
     return row
@@ -378,6 +384,7 @@ def exp_agents(args) -> None:
                     "ttft_p99_ms",
                     "itl_p50_ms",
                     "itl_p99_ms",
+                    *GAP_KEYS,
                     "duration_s",
                     "twin_waits",
                     "checkpoints_evicted",

@@ -11,11 +11,12 @@ tokens).
     16x the device pool; a load back costs one state's bytes per GPU over PCIe
     (``costs.PCIE_H2D_BPS``, ``pd.host_load_s``). Prints / writes prefill tokens / prompt, x
     ideal, cached share, host promotions (host hits) per request, states moved to / evicted from
-    the host, the load time, TTFT p50 / p99, ITL p99, host RAM per node the pool takes.
+    the host, the load time, TTFT p50 / p99, ITL p99 (pooled) and the per-request worst decode
+    gap p50 / p90 / max (``gap_*_ms``), host RAM per node the pool takes.
 (b) PD (``sim/pd.py``): 1 prefill + 1 decode server of TP8 against one colocated TP8 server on
     the same window: TTFT p50 / p99 (the client's: when the transfer lands) and the prefill
-    side's sample time, ITL p99, the transfer's share of TTFT, link busy time
-    (``costs.PD_LINK_BPS_PER_GPU``).
+    side's sample time, ITL p50 / p99 and the worst gap p50 / p90 / max, the transfer's share
+    of TTFT, link busy time (``costs.PD_LINK_BPS_PER_GPU``).
 
 Writes ``benchmark/results/sim_scale_out/host_tier_<window>.csv`` and ``.png``,
 ``pd_<window>.csv`` and ``pd_<window>_ttft_cdf.png``.
@@ -43,6 +44,7 @@ from sglang_kda.sim import mooncake as mc  # noqa: E402
 from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402
 from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
 from sglang_kda.sim.metrics import percentile  # noqa: E402
+from sglang_kda.numbers import gaps_text, worst_gaps  # noqa: E402
 from sglang_kda.sim.pd import PDConfig, host_load_s, simulate_pd  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,10 +90,12 @@ def run_timed(label: str, args, horizon: float, fn):
     return res, time.monotonic() - t0, time.process_time() - c0
 
 
-def latencies(res) -> tuple[list, list]:
+def latencies(res) -> tuple[list, list, dict]:
+    """TTFTs, pooled ITLs and the per-request worst decode gap (``gap_*_ms``)."""
     ttfts = [r.ttft for r in res.requests if r.token_times]
-    itls = [x for r in res.requests for x in r.itls]
-    return ttfts, itls
+    per_request = [r.itls for r in res.requests]
+    itls = [x for g in per_request for x in g]
+    return ttfts, itls, worst_gaps(per_request)
 
 
 def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
@@ -108,10 +112,8 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
         if not kv_capped:
             cfg.max_tokens = None
         label = f"host {mult}x" + ("" if kv_capped else ", KV unbounded")
-        res, wall, cpu = run_timed(
-            label, args, horizon, lambda cfg=cfg: simulate(trace, cfg, cost)
-        )
-        ttfts, itls = latencies(res)
+        res, wall, cpu = run_timed(label, args, horizon, lambda cfg=cfg: simulate(trace, cfg, cost))
+        ttfts, itls, gaps = latencies(res)
         st = res.ranks[0].tree.stats
         prompt = sum(len(r.ids) for r in res.requests)
         prefill = sum(r.computed for r in res.requests)
@@ -142,6 +144,7 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
             "itl_p99_ms": percentile(itls, 99) * 1e3,
+            **gaps,
             "wall_s": wall,
             "cpu_s": cpu,
         }
@@ -153,7 +156,7 @@ def host_tier(trace, args, plan, cost, ideal, horizon, window) -> list[dict]:
             f"({row['host_hits_per_request']:.2f}/request, load {row['host_load_s_total']:.2f} s "
             f"in all), {st.host_moved} moved to host, {st.host_evicted} evicted there; TTFT p50 "
             f"{row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.2f} s; ITL p99 "
-            f"{row['itl_p99_ms']:.1f} ms; wall {wall:.0f} s (cpu {cpu:.0f} s)",
+            f"{row['itl_p99_ms']:.1f} ms, {gaps_text(row)}; wall {wall:.0f} s (cpu {cpu:.0f} s)",
             flush=True,
         )
     harness.write_csv(OUT / f"host_tier_{window}.csv", rows)
@@ -188,7 +191,7 @@ def pd_part(trace, args, plan, cost, horizon, window) -> list[dict]:
         "PD 1P1D", args, horizon, lambda: simulate_pd(trace, cfg_pd, cost, pd)
     )
     for name, r_, w, c in (("colocated TP8", col, wall, cpu), ("PD 1P+1D TP8", res, wall2, cpu2)):
-        ttfts, itls = latencies(r_)
+        ttfts, itls, gaps = latencies(r_)
         is_pd = r_ is res
         at = r_.sampled if is_pd else {}
         sampled = [at[r.rid] - r.arrival for r in r_.requests if r.rid in at]
@@ -208,6 +211,7 @@ def pd_part(trace, args, plan, cost, horizon, window) -> list[dict]:
             "ttft_sampled_p99_s": percentile(sampled, 99) if is_pd else percentile(ttfts, 99),
             "itl_p50_ms": percentile(itls, 50) * 1e3,
             "itl_p99_ms": percentile(itls, 99) * 1e3,
+            **gaps,
             "transfer_p50_ms": percentile(xfer, 50) * 1e3 if is_pd else 0.0,
             "transfer_p99_ms": percentile(xfer, 99) * 1e3 if is_pd else 0.0,
             "transfer_share_of_ttft": sum(xfer) / max(sum(ttfts), 1e-12) if is_pd else 0.0,
@@ -220,7 +224,8 @@ def pd_part(trace, args, plan, cost, horizon, window) -> list[dict]:
         print(
             f"[{name}] TTFT p50 {row['ttft_p50_s']:.3f} s p99 {row['ttft_p99_s']:.2f} s "
             f"(sampled p50 {row['ttft_sampled_p50_s']:.3f} p99 {row['ttft_sampled_p99_s']:.2f}); "
-            f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms; transfer p50 "
+            f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms, "
+            f"{gaps_text(row)}; transfer p50 "
             f"{row['transfer_p50_ms']:.1f} ms p99 {row['transfer_p99_ms']:.1f} ms, "
             f"{row['transfer_share_of_ttft']:.1%} of TTFT; {row['finished']}/{row['requests']} "
             f"finished; wall {w:.0f} s (cpu {c:.0f} s)",
@@ -248,9 +253,12 @@ def main() -> int:
     ap.add_argument("--start", type=float, default=0.0)
     ap.add_argument("--end", type=float, default=600.0)
     ap.add_argument("--parts", default="host,pd", help="host, pd or both")
-    ap.add_argument("--kv-unbounded", action="store_true",
-                    help="also 0x and 16x with the device KV pool unbounded (the most a host KV "
-                    "tier could add; its load time not charged)")
+    ap.add_argument(
+        "--kv-unbounded",
+        action="store_true",
+        help="also 0x and 16x with the device KV pool unbounded (the most a host KV "
+        "tier could add; its load time not charged)",
+    )
     ap.add_argument("--progress", type=float, default=300.0, help="simulated s between lines")
     args = ap.parse_args()
     t_all = time.monotonic()

@@ -30,12 +30,14 @@ two calibrations'). Each workload is simulated with ``--sim-seeds`` draws of the
 median taken.
 
 It prints and writes (``benchmark/results/sim/validate.csv``, ``validate.md``) per workload:
-TTFT p50/p99, ITL p50/p99, prefill tokens computed (``prompt_tokens - cached_tokens`` from
-``meta_info``) and cached tokens; server and simulator each as the mean over rounds, their
-relative error, the median of the per-round errors, round 1 of each, and round 2 of the server
-against its round 1 (the noise floor); and ends with
+TTFT p50/p99, pooled ITL p50/p99 and beside them the per-request worst decode gap p50/p90/max
+(``gap_*_ms``, :func:`sglang_kda.numbers.worst_gaps`), prefill tokens computed
+(``prompt_tokens - cached_tokens`` from ``meta_info``) and cached tokens; server and simulator
+each as the mean over rounds, their relative error, the median of the per-round errors, round 1
+of each, and round 2 of the server against its round 1 (the noise floor); and ends with
 ``simulator vs server: worst latency error X%; token counts identical: yes/no`` (token counts
-must agree in every round).
+must agree in every round; the latency figures of the verdict are ``--latency-metrics``, TTFT
+and pooled ITL by default: add ``gap_p90_ms`` etc. to judge the worst gaps too).
 
 The raw per-request records and the server's steps (the calibrations' and, format 4 on, each
 workload's) are kept in ``results/sim/validate_raw_<policy>.json``; ``--from-raw`` refits and

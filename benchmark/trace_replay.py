@@ -34,7 +34,10 @@ Reported per policy: prefill tokens computed (prompt - ``meta_info.cached_tokens
 summed) against the trace's ideal (every block computed once: :func:`mooncake.ideal_prefill` on
 the scaled prompts), TTFT p50 / p99, the share of requests with TTFT over 1 s and over 10 s (a
 request that got no token before the run ended counts as over both), decode ITL p99 (the gaps
-between a request's tokens after its first, pooled), and the KDA checkpoint cache's counters
+between a request's tokens after its first, pooled), beside it the per-request worst decode gap
+p50 / p90 / max (each request's longest such gap, over requests with two tokens or more:
+``gap_p50_ms``, ``gap_p90_ms``, ``gap_max_ms``, :func:`sglang_kda.numbers.worst_gaps`), and the
+KDA checkpoint cache's counters
 (``/server_info``: prefill tokens computed, checkpoints held at the end, admitted and evicted
 during the run; none under the stock policy). Results in ``benchmark/results/trace_replay/``:
 ``requests.csv`` (one row per request and policy), ``summary.csv``, ``ttft_cdf.png`` and
@@ -60,6 +63,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from sglang_kda import harness as H
+from sglang_kda.numbers import GAP_KEYS, worst_gaps
 from sglang_kda.sim import mooncake
 
 OUT = H.REPO / "benchmark" / "results" / "trace_replay"
@@ -233,7 +237,8 @@ def request_row(p: Planned, res: H.StreamResult, error: str = "") -> dict:
 
 
 def summarize(rows: Sequence[dict], itls: Sequence[float], ideal: tuple[int, int]) -> dict:
-    """A policy's figures from its request rows and its pooled decode gaps (seconds)."""
+    """A policy's figures from its request rows and its pooled decode gaps (seconds); the
+    per-request worst decode gap from the rows' ``itl_max_ms``."""
     n = len(rows)
     ttfts = [r["ttft_s"] for r in rows]
     done = [r for r in rows if r["computed_tokens"] != ""]
@@ -256,6 +261,7 @@ def summarize(rows: Sequence[dict], itls: Sequence[float], ideal: tuple[int, int
         "ttft_over_10s": sum(t > TTFT_LIMITS_S[1] for t in ttfts) / n if n else math.nan,
         "itl_p50_ms": H.percentile(itls, 50) * 1e3,
         "itl_p99_ms": H.percentile(itls, 99) * 1e3,
+        **worst_gaps([r["itl_max_ms"] / 1e3] for r in rows if r["itl_max_ms"] != ""),
         "latency_p50_s": H.percentile([r["latency_s"] for r in done], 50),
         "output_tokens": sum(r["output_tokens"] for r in rows),
     }
@@ -479,9 +485,9 @@ def markdown(summaries: Sequence[dict], setup: dict, command: str) -> str:
         f"{setup['output_tokens']:,} output tokens asked for.",
         "",
         "| policy | finished / sent | prefill computed (x ideal) | TTFT p50 / p99 (s) | "
-        "TTFT > 1 s | > 10 s | decode ITL p99 (ms) | checkpoints admitted / held at end / "
-        "evicted (counter) |",
-        "|---|---|---|---|---|---|---|---|",
+        "TTFT > 1 s | > 10 s | decode ITL p99 (ms) | worst gap p50 / p90 / max (ms) | "
+        "checkpoints admitted / held at end / evicted (counter) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         ckpt = (
@@ -495,14 +501,18 @@ def markdown(summaries: Sequence[dict], setup: dict, command: str) -> str:
             f"{s['computed_tokens']:,} ({_cell(s['computed_x_ideal'], '.2f')}) | "
             f"{_cell(s['ttft_p50_s'], '.2f')} / {_cell(s['ttft_p99_s'], '.2f')} | "
             f"{s['ttft_over_1s']:.0%} | {s['ttft_over_10s']:.0%} | "
-            f"{_cell(s['itl_p99_ms'], '.0f')} | {ckpt} |"
+            f"{_cell(s['itl_p99_ms'], '.0f')} | "
+            + " / ".join(_cell(s[k], ".0f") for k in GAP_KEYS)
+            + f" | {ckpt} |"
         )
     lines += [
         "",
         "Prefill computed: prompt tokens minus SGLang's `meta_info.cached_tokens`, summed over "
         "finished requests (x ideal only when all finished). TTFT shares count a request that "
         "got no token as over both limits. Decode ITL: the gaps between a request's tokens after "
-        "its first, pooled over requests. Checkpoints: the cache's `/server_info` counters over "
+        "its first, pooled over requests (what the budget's round target bounds). Worst gap: each "
+        "request's longest such gap (a user's worst stall), p50 / p90 / max over the requests "
+        "with two tokens or more. Checkpoints: the cache's `/server_info` counters over "
         "the run (admitted, evicted) and at its end (held); `summary.csv` has the others "
         "(skipped for want of a slot, tokens resumed from checkpoints, prefill tokens computed "
         "by the server's count).",

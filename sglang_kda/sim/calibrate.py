@@ -32,6 +32,7 @@ from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, nn
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS
 from sglang_kda.sim.engine import SimConfig
+from sglang_kda.numbers import worst_gaps
 from sglang_kda.sim.metrics import percentile
 from sglang_kda.steps import row_shape
 
@@ -101,10 +102,12 @@ def from_records(trace: T.Trace, d: dict) -> dict[str, ServerRequest]:
 def server_summary(recs: dict[str, ServerRequest]) -> dict:
     """The server's figures of one run, as :func:`sglang_kda.sim.metrics.summarize` gives the
     simulator's: prefill tokens computed (``prompt_tokens - cached_tokens`` from
-    ``meta_info``), cached tokens, TTFT and ITL percentiles."""
+    ``meta_info``), cached tokens, TTFT and pooled ITL percentiles and the per-request worst
+    decode gap (:func:`sglang_kda.numbers.worst_gaps`)."""
     rs = list(recs.values())
     ttfts = [r.ttft for r in rs]
-    itls = [x for r in rs for x in r.itls]
+    per_request = [r.itls for r in rs]
+    itls = [x for g in per_request for x in g]
     return {
         "prefill_tokens": sum(r.prompt_tokens - r.cached_tokens for r in rs),
         "cached_tokens": sum(r.cached_tokens for r in rs),
@@ -112,6 +115,7 @@ def server_summary(recs: dict[str, ServerRequest]) -> dict:
         "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "itl_p50_ms": percentile(itls, 50) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3,
+        **worst_gaps(per_request),
     }
 
 

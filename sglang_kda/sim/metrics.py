@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
 
-from sglang_kda.numbers import percentile  # noqa: E402,F401 - the one definition, re-exported
+from sglang_kda.numbers import percentile, worst_gaps  # noqa: E402,F401 - one definition each
 
 
-def summarize_latencies(ttfts: Iterable[float], itls: Iterable[float]) -> dict:
+def summarize_latencies(
+    ttfts: Iterable[float],
+    itls: Iterable[float],
+    per_request_itls: Optional[Iterable[Sequence[float]]] = None,
+) -> dict:
+    """TTFT and pooled ITL percentiles (ms) and, beside them, the per-request worst decode gap
+    (``gap_p50_ms``, ``gap_p90_ms``, ``gap_max_ms``: :func:`sglang_kda.numbers.worst_gaps` of
+    ``per_request_itls``, one ITL list per request; ``None`` without them)."""
     ttfts, itls = list(ttfts), list(itls)
     return {
         "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
         "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "itl_p50_ms": percentile(itls, 50) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3,
+        **worst_gaps(per_request_itls or ()),
     }
 
 
@@ -33,9 +41,12 @@ def summarize(result, select=None) -> dict:
         "kv_recomputed": sum(r.kv_recomputed for r in reqs),
         "output_tokens": sum(r.generated for r in reqs),
     }
+    per_request = [r.itls for r in reqs]
     out.update(
         summarize_latencies(
-            [r.ttft for r in reqs if r.token_times], [x for r in reqs for x in r.itls]
+            [r.ttft for r in reqs if r.token_times],
+            [x for itls in per_request for x in itls],
+            per_request,
         )
     )
     out["duration_s"] = result.end_time

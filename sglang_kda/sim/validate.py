@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from sglang_kda.numbers import GAP_KEYS
 from sglang_kda.policy.cost_model import CostModel
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.calibrate import (
@@ -37,6 +38,9 @@ from sglang_kda.sim.engine import SimConfig, simulate
 from sglang_kda.sim.metrics import summarize
 
 LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+# The per-request worst decode gap, reported beside the pooled ITL percentiles (compared like
+# them; not in the verdict's latency figures unless named in ``latency_metrics``).
+GAPS = GAP_KEYS
 TOKENS = ("prefill_tokens", "cached_tokens")
 
 
@@ -109,8 +113,9 @@ def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
     results = [simulate(tr, replace(cfg, seed=k), model) for k in range(max(1, seeds))]
     sums = [summarize(r) for r in results]
     out = dict(sums[0])
-    for k in LATENCY:
-        out[k] = float(np.median([s[k] for s in sums]))
+    for k in LATENCY + GAPS:
+        if all(s[k] is not None for s in sums):
+            out[k] = float(np.median([s[k] for s in sums]))
     for k in TOKENS:
         if any(s[k] != out[k] for s in sums):
             print(f"[sim] {tr.name}: {k} differs between jitter seeds: {[s[k] for s in sums]}")
@@ -135,7 +140,9 @@ def compare(name: str, policy: str, reals: list[dict], sims: list[dict]) -> list
     round. ``server_repeat_error`` is the second round against the first: the noise floor.
     Token counts must agree in every round."""
     rows = []
-    for k in TOKENS + LATENCY:
+    for k in TOKENS + LATENCY + GAPS:
+        if any(r[k] is None for r in reals) or any(x[k] is None for x in sims):
+            continue  # no request with two tokens: no worst gap
         a = float(np.mean([r[k] for r in reals]))
         b = float(np.mean([x[k] for x in sims]))
         if k in TOKENS:
@@ -252,7 +259,7 @@ def evaluate(
                     f"(rid, server, sim): {diff[:6]}"
                 )
         rows += compare(name, policy, reals, sims)
-        got = {r["metric"]: (r["server"], r["sim"]) for r in rows[-len(TOKENS + LATENCY) :]}
+        got = {r["metric"]: (r["server"], r["sim"]) for r in rows if r["workload"] == name}
         say(
             f"[{policy}] {name}: prefill server {got['prefill_tokens'][0]} sim "
             f"{got['prefill_tokens'][1]}; mean over rounds, server vs sim: TTFT p50 "
@@ -260,6 +267,11 @@ def evaluate(
             f"{got['ttft_p99_ms'][0]:.0f} vs {got['ttft_p99_ms'][1]:.0f}; ITL p50 "
             f"{got['itl_p50_ms'][0]:.1f} vs {got['itl_p50_ms'][1]:.1f}, p99 "
             f"{got['itl_p99_ms'][0]:.1f} vs {got['itl_p99_ms'][1]:.1f}"
+            + (
+                f"; worst gap p90 {got['gap_p90_ms'][0]:.1f} vs {got['gap_p90_ms'][1]:.1f}"
+                if "gap_p90_ms" in got
+                else ""
+            )
         )
     return rows
 

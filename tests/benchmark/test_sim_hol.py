@@ -83,4 +83,8 @@ def test_measure_seed_counts_the_wait(hol, workload):
     assert row["shorts_during_long"] == len(during)
     # stock starves decode for the whole prefill: one gap spans it
     assert row["decode_itl_max_ms"] >= 0.9 * long.ttft * 1e3
+    # and it is a user's worst stall: the worst gap's max, beside the pooled ITL
+    assert row["gap_max_ms"] >= 0.9 * long.ttft * 1e3
+    assert row["gap_p50_ms"] <= row["gap_p90_ms"] <= row["gap_max_ms"]
+    assert row["run_itl_p99_ms"] <= row["gap_max_ms"]
     assert row["short_wait_gt_1s_pct"] > 0

@@ -57,6 +57,25 @@ def test_max_new_tokens_scaled_at_least_one(tr, out, scale, want):
     assert tr.max_new_tokens(out, scale) == want
 
 
+SETUP = dict(
+    start=0.0,
+    end=10,
+    requests=3,
+    limit=None,
+    arrivals="keep",
+    time_scale=1.0,
+    span_s=10.0,
+    length_scale=1.0,
+    block=512,
+    output_scale=1.0,
+    route="native",
+    server_args="",
+    prompt_tokens=30,
+    ideal_computed=10,
+    output_tokens=8,
+)
+
+
 def _planned(tr, index, ids, send_s=0.0, max_new=4):
     return tr.Planned(index=index, trace_s=send_s, send_s=send_s, ids=tuple(ids), max_new=max_new)
 
@@ -117,6 +136,28 @@ def test_summarize_shares_percentiles_and_ideal(tr):
     assert out["ttft_p50_s"] == pytest.approx(1.25)  # between 0.5 and 2
     # gaps 100, 200, 400, 100 ms: p99 interpolates between 200 and 400
     assert out["itl_p99_ms"] == pytest.approx(200 + 0.97 * 200)
+    # one gap per request, so each is its request's worst: p50/p90/max over the requests
+    assert (out["gap_p50_ms"], out["gap_p90_ms"], out["gap_max_ms"]) == pytest.approx(
+        (150, 200 + 0.7 * 200, 400)
+    )
+
+
+def test_the_worst_gap_is_per_request_not_pooled(tr):
+    plan = [_planned(tr, i, range(10)) for i in range(3)]
+    streams = [
+        _stream(0.0, [(0.1, 1), (0.2, 2), (0.3, 3), (0.4, 4), (1.4, 5)], 1.4),  # 100 x3, 1000
+        _stream(0.0, [(0.1, 1), (0.15, 2), (0.2, 3)], 0.2),  # 50, 50
+        _stream(0.0, [(0.1, 1)], 0.1),  # one token: no gap, left out
+    ]
+    rows = [tr.request_row(p, s) for p, s in zip(plan, streams, strict=True)]
+    out = tr.summarize(rows, [x for s in streams for x in s.itls()], ideal=(10, 30))
+    assert out["itl_p50_ms"] == pytest.approx(100)
+    assert (out["gap_p50_ms"], out["gap_p90_ms"], out["gap_max_ms"]) == pytest.approx(
+        (525, 905, 1000)
+    )
+    md = tr.markdown([{"policy": "kda", **out}], SETUP, "cmd")
+    assert "| worst gap p50 / p90 / max (ms) |" in md
+    assert "| 525 / 905 / 1000 |" in md
 
 
 def test_summarize_counts_an_unserved_request_over_both_limits(tr):
@@ -130,6 +171,9 @@ def test_summarize_counts_an_unserved_request_over_both_limits(tr):
     assert out["finished"] == 1 and out["no_token"] == 1 and out["errors"] == 0
     assert math.isnan(out["computed_x_ideal"])  # not every request finished
     assert math.isinf(out["ttft_p99_s"])
+    assert out["gap_p50_ms"] is out["gap_max_ms"] is None  # no request had two tokens
+    md = tr.markdown([{"policy": "stock", **out}], SETUP, "cmd")
+    assert "| n/a / n/a / n/a |" in md
 
 
 def test_cache_delta(tr):

@@ -487,3 +487,13 @@ def test_a_branch_off_a_cached_path_leaves_a_state_where_the_kv_ends():
     grid = run(trace(), policy="kda", chunked_prefill_size=4096)
     assert grid.ranks[0].counts["branch_cuts"] == 0
     assert {r.rid: r.cached for r in grid.requests}["c"] == 576
+
+
+def test_summarize_reports_the_worst_gap_beside_pooled_itl():
+    from sglang_kda.numbers import worst_gaps
+
+    res = run(T.long_among_decodes(streams=3, stream_out=40, long_prompt=2000), policy="kda")
+    s = summarize(res)
+    # the one definition, over each request's own ITLs (the 1-token long prompt has none)
+    assert {k: s[k] for k in worst_gaps([])} == worst_gaps(r.itls for r in res.requests)
+    assert s["itl_p99_ms"] <= s["gap_max_ms"] == max(x for r in res.requests for x in r.itls) * 1e3

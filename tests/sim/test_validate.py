@@ -208,3 +208,25 @@ def test_speed_factor_measures_a_slower_machine():
     shape = BatchShape((500, 900), (Slice(128, 64),))
     assert fast.model.predict(shape) == pytest.approx(0.8 * model.predict(shape), rel=1e-9)
     assert (fast.ingress_s, fast.idle_wake_s) == pytest.approx((0.8 * FIXED, 0.8 * WAKE))
+
+
+def test_server_summary_and_compare_report_the_worst_gap_beside_itl():
+    recs = {
+        "a": C.ServerRequest("a", (1, 2), 0.0, [0.1, 0.2, 0.5], 2, 0),  # gaps 100, 300 ms
+        "b": C.ServerRequest("b", (1, 2), 0.0, [0.3, 0.35], 2, 0),  # gap 50 ms
+        "c": C.ServerRequest("c", (1,), 0.0, [0.3], 1, 0),  # one token: no gap, left out
+    }
+    s = C.server_summary(recs)
+    assert s["itl_p50_ms"] == pytest.approx(100.0)
+    assert (s["gap_p50_ms"], s["gap_p90_ms"], s["gap_max_ms"]) == pytest.approx((175, 275, 300))
+    rows = V.compare("w", "kda", [s], [s])
+    assert [r["metric"] for r in rows] == list(V.TOKENS + V.LATENCY + V.GAPS)
+    # the verdict's latency figures stay TTFT and pooled ITL unless asked for
+    _, verdict = V.table(rows)
+    assert f"of {len(V.LATENCY)} within 15%" in verdict
+    _, verdict = V.table(rows, V.LATENCY + V.GAPS)
+    assert f"of {len(V.LATENCY + V.GAPS)} within 15%" in verdict
+    # no request with two tokens: no worst-gap rows
+    none = C.server_summary({"c": recs["c"]})
+    assert none["gap_p90_ms"] is None
+    assert "gap_p90_ms" not in [r["metric"] for r in V.compare("w", "kda", [none], [none])]
