@@ -1,6 +1,7 @@
 """Validate the scheduler simulator against the real CPU server on the same traces.
 
-One command (about 8 minutes on the 2-core machine; ``--repeat 5``: about 6)::
+One command (about 8 minutes on the 2-core machine; ``--repeat 5``: about 6; the
+``conversation`` workload adds ~75 s a round, ~10 minutes at the default 8 rounds)::
 
     .venv/bin/python benchmark/sim_validate.py                 # kda policy
     .venv/bin/python benchmark/sim_validate.py --policies stock,kda
@@ -13,7 +14,11 @@ rounds (8 by default),
    decode streams at batch 1 and 4, four prompts sent at one instant, and 64-token prompts
    reaching a busy server; the server's step trace times every round of it;
 2. runs each validation trace once (``sglang_kda.sim.trace`` generators: shared prefix,
-   multi-turn, twin bursts, off-grid divergence, repeats, long prompt among decode streams;
+   multi-turn, twin bursts, off-grid divergence, repeats, long prompt among decode streams; and,
+   where the Mooncake trace file is (``--trace``, ``$SGLANG_KDA_MOONCAKE_TRACE``, else
+   ``/work/shared/data/mooncake/conversation_trace.jsonl``), ``conversation``: its trace seconds
+   0-20 scaled as ``trace_replay.py --time-scale 4 --length-scale 0.0625 --output-scale 0.125``,
+   65 requests over 72 s, ~75 s a round; ``--quick``: seconds 9-15, 17 requests over 12 s;
    ``/flush_cache`` before each; the client honours arrival times and ``after`` dependencies,
    streams ``/generate`` with ``input_ids``);
 
@@ -37,7 +42,9 @@ each as the mean over rounds, their relative error, the median of the per-round 
 of each, and round 2 of the server against its round 1 (the noise floor); and ends with
 ``simulator vs server: worst latency error X%; token counts identical: yes/no`` (token counts
 must agree in every round; the latency figures of the verdict are ``--latency-metrics``, TTFT
-and pooled ITL by default: add ``gap_p90_ms`` etc. to judge the worst gaps too).
+and pooled ITL by default: add ``gap_p90_ms`` etc. to judge the worst gaps too; the
+``conversation`` workload's ``gap_p90_ms`` is always judged, and a line above the verdict gives
+its prefill tokens and its TTFT p50/p99 and worst-gap p90 errors).
 
 The raw per-request records and the server's steps (the calibrations' and, format 4 on, each
 workload's) are kept in ``results/sim/validate_raw_<policy>.json``; ``--from-raw`` refits and
@@ -122,6 +129,14 @@ def _calibrate(server: harness.Server) -> dict:
     return out
 
 
+def finished_state(server_args: list[str]) -> str:
+    """Where the server leaves a finished request's state (the simulator's
+    ``SimConfig.finished_state``): the prompt's end under ``no_buffer``, SGLang's last tracked
+    state under the default ``extra_buffer``."""
+    joined = " ".join(server_args).replace("=", " ")
+    return "prompt" if "--mamba-radix-cache-strategy no_buffer" in joined else "tracked"
+
+
 def collect(policy: str, args, tmp: Path) -> dict:
     """Run the calibration and every workload on a real server; the raw per-request records.
 
@@ -147,7 +162,8 @@ def collect(policy: str, args, tmp: Path) -> dict:
         extra=extra,
         env={TRACE_ENV: str(trace_path)},
     )
-    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 4, "rounds": []}
+    raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 4, "rounds": [],
+                 "finished_state": finished_state(args.server_args)}  # fmt: skip
     try:
         # Warm-up (one-time costs).
         asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
@@ -156,11 +172,13 @@ def collect(policy: str, args, tmp: Path) -> dict:
             t0 = time.monotonic()
             rnd = _calibrate(server)
             rnd["workloads"], rnd["windows"] = {}, {}
-            for name, tr in V.workloads(args.quick).items():
+            for name, tr in V.workloads(args.quick, args.trace).items():
                 server.flush_cache()
                 t_lo = time.perf_counter()
                 rnd["workloads"][name] = records_of(asyncio.run(run_trace(server.url, tr)))
                 rnd["windows"][name] = [t_lo, time.perf_counter()]
+            if "conversation" in rnd["workloads"]:
+                raw["mooncake_trace"] = str(V.mooncake_path(args.trace))
             raw["rounds"].append(rnd)
             print(
                 f"[{policy}] round {i + 1}/{n}: calibration and {len(rnd['workloads'])} "
@@ -202,6 +220,7 @@ def write(rows: list[dict], latency_metrics: tuple[str, ...]) -> str:
 
 
 def main() -> int:
+    global OUT_DIR  # --dir moves it (declared before the help text below reads it)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="kda")
     ap.add_argument("--quick", action="store_true")
@@ -238,8 +257,25 @@ def main() -> int:
         "or (a diagnostic) each workload's own steps, which gives the simulator the level of "
         "the rounds it predicts and leaves the rest to test",
     )
+    ap.add_argument(
+        "--finished-state",
+        choices=("prompt", "end", "tracked"),
+        default=None,
+        help="the simulator's finished_state (default: the records' own, else 'prompt', "
+        "which records made before it was recorded, under no_buffer, need)",
+    )
+    ap.add_argument("--dir", default=None, help=f"records and results (default {OUT_DIR})")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="the Mooncake conversation trace the conversation workload is cut from (default: "
+        f"${V.MOONCAKE_ENV}, else {V.mooncake_path()}, or with --from-raw the records' own); "
+        "absent: that workload is left out",
+    )
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()
+    if args.dir:
+        OUT_DIR = Path(args.dir)
     rows = []
     for policy in args.policies.split(","):
         raw_path = OUT_DIR / f"validate_raw_{policy}.json"
@@ -261,6 +297,8 @@ def main() -> int:
             args.sim_seeds,
             args.speed_from,
             model_path=OUT_DIR / f"cpu_cost_model_{policy}.json",
+            finished_state=args.finished_state,
+            trace_path=args.trace,
         )
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)

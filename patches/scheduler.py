@@ -83,7 +83,7 @@ def apply(ctx) -> None:
     @functools.wraps(orig_process)
     def process_batch_result(self, batch, result, *args, **kwargs):
         out = orig_process(self, batch, result, *args, **kwargs)
-        rt.step_done(self, result)
+        rt.step_done(self, result, batch)
         return out
 
     cls._get_new_batch_prefill_raw = _get_new_batch_prefill_raw

@@ -27,7 +27,9 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   first token more than the whole remainder delays this round's decode tokens, when that round
   stays within 2.5x the round budget (:func:`finish_whole`). With prompts waiting behind it
   (``drain``) the later rounds delay their first tokens too: the gain counts once for each,
-  and the round may take up to ``max_round_s``. When the round finishes the head
+  and the round may take up to ``max_round_s``. A slice may also grow to the worst gap the
+  running decode streams have already had (``tolerated``, :func:`tolerated_slice`): a round
+  within it makes no stream's worst stall longer. When the round finishes the head
   (``share`` covers what it has left), nothing else waits to prefill and decode ran the round
   before, the prompt runs without the decode tokens if they would delay its first token more
   than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
@@ -68,8 +70,8 @@ from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
 MODES = (
-    "idle", "prefill_only", "share", "drain", "grow", "alone", "interleave", "pace", "burst",
-    "finish",
+    "idle", "prefill_only", "share", "drain", "tolerated", "grow", "alone", "interleave", "pace",
+    "burst", "finish",
 )  # fmt: skip
 
 
@@ -658,6 +660,35 @@ def finish_whole(
     return gain * (1 + behind) > whole - cut
 
 
+def tolerated_slice(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    tokens: int,
+    tolerated_s: float,
+    cfg: BudgetConfig,
+    memo: dict | None = None,
+) -> int:
+    """The slice of ``p`` a round may take without lengthening the decode streams' worst gap:
+    the longest grid-aligned one whose round is predicted within ``tolerated_s`` (the worst gap
+    the running streams have already had, as the caller measures it, in the model's time), or
+    ``tokens`` when that is longer. Slicing a prompt finer never makes decode's tokens come
+    sooner on the whole (each stream gets one token a round either way); it only spreads them
+    evenly, and delays the prompt's first token by a round's fixed cost per extra round. Where
+    the streams have already had a gap as long as the prompt's whole round (a queue drained,
+    a cache miss beside them), finer slices buy no user a shorter stall (issue 39,
+    bench_serving random-ids at concurrency 16: each 500-1,500-token arrival cut into 2-4
+    rounds beside 15 decode streams, TTFT median 1.08-1.17x stock's)."""
+    if tolerated_s <= 0 or not decode_ctx or tokens >= p.remaining:
+        return tokens
+    wide = fit_slice(
+        model, decode_ctx, p.done, p.remaining, tolerated_s, cfg.grid, cfg.max_slice, memo
+    )
+    if _slicer(model)(ctx_tuple(decode_ctx), p.done, wide) > tolerated_s:
+        return tokens  # not even one grid step fits (fit_slice's least)
+    return max(tokens, whole_within_step(p, wide, cfg.grid))
+
+
 def finish_first(
     model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
 ) -> bool:
@@ -686,6 +717,7 @@ def plan_round(
     since_slice: int | None = None,
     slice_overshoots: bool = False,
     since_decode: int | None = None,
+    tolerated_s: float = 0.0,
 ) -> Plan:
     """Plan one round; see the module docstring. ``since_slice``: rounds with decode running
     and no prefill slice (paced, or with no prefill waiting) since the last round that carried
@@ -693,11 +725,12 @@ def plan_round(
     last shared round was observed to overshoot its budget (pacing then applies even where the
     model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
     before this one (``None``: a prefill that must run alone never lets decode in,
-    :func:`interleave_due`)."""
+    :func:`interleave_due`). ``tolerated_s``: a round the decode tokens' worst gap so far
+    already covers (model time; :func:`tolerated_slice`)."""
     decode_ctx = ctx_tuple(decode_ctx)
     plan = _plan_head(
         model, cfg, now, decode_ctx, prefills, inflight, since_slice, slice_overshoots,
-        since_decode,
+        since_decode, tolerated_s,
     )  # fmt: skip
     return room_behind(model, cfg, plan, prefills, inflight)
 
@@ -809,6 +842,7 @@ def _plan_head(
     since_slice: int | None,
     slice_overshoots: bool,
     since_decode: int | None,
+    tolerated_s: float = 0.0,
 ) -> Plan:
     """The plan for the round's head (:func:`plan_round` without :func:`room_behind`)."""
     budget = round_budget(model, decode_ctx, cfg)
@@ -841,11 +875,15 @@ def _plan_head(
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued, budget))
     share = whole_within_step(head, share, cfg.grid)
     behind = sum(1 for p in pending if p is not head)
-    drain = False
+    why = "share"
     if finish_whole(model, decode_ctx, head, share, budget, cfg):
         share = head.remaining
     elif behind and finish_whole(model, decode_ctx, head, share, budget, cfg, behind):
-        share, drain = head.remaining, True  # whole because prompts wait behind it
+        share, why = head.remaining, "drain"  # whole because prompts wait behind it
+    else:
+        wide = tolerated_slice(model, decode_ctx, head, share, tolerated_s, cfg, memo)
+        if wide > share:
+            share, why = wide, "tolerated"
     if (
         since_slice is not None
         and cfg.pace_every > 1
@@ -868,7 +906,7 @@ def _plan_head(
             and finish_first(model, decode_ctx, head, share, cfg)
         ):
             return planned("finish", head.remaining, False)
-        return planned("drain" if drain else "share", share, True, budget)
+        return planned(why, share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)
     if need is not None:
         return planned("grow", max(need, share), True)

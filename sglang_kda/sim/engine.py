@@ -74,6 +74,18 @@ from sglang_kda.sim.trace import Trace
 POLICIES = ("stock", "kda")
 
 
+FINISHED_STATES = ("prompt", "end", "tracked")
+SGLANG_TRACK_INTERVAL = 256  # SGLang 0.5.23's --mamba-track-interval default
+
+
+def tracked_state(prompt: int, path: int, grid: int, interval: int) -> int:
+    """Where ``extra_buffer`` leaves a finished request's state: prefill tracks the last
+    checkpoint-grid point of the prompt, decode every ``lcm(grid, interval)`` tokens of the
+    committed sequence (``path``: prompt + output less the last token); the deeper one."""
+    step = math.lcm(grid, interval)
+    return max(prompt // grid * grid, path // step * step)
+
+
 @dataclass
 class SimConfig:
     """One rank's scheduler settings (the server flags they stand for in brackets).
@@ -116,9 +128,16 @@ class SimConfig:
         takes ``idle_wake_s`` longer over its next round (the CPU server's first forward after
         a pause is slower: caches and pages gone cold; ``benchmark/sim_validate.py`` fits it).
     finished_state: where the state a finished request leaves in the tree sits: ``prompt``
-        (the end of its prompt; what the CPU server does, measured by benchmark/sim_validate.py:
-        a continuation of a finished prompt is cached up to exactly the prompt's end) or ``end``
-        (prompt + output less the last token, SGLang's nominal rule).
+        (the end of its prompt; what the CPU server does under ``no_buffer``, measured by
+        benchmark/sim_validate.py: a continuation of a finished prompt is cached up to exactly
+        the prompt's end), ``end`` (prompt + output less the last token, SGLang's nominal rule)
+        or ``tracked`` (``extra_buffer``, SGLang's resolution on GPUs and the launcher's
+        default: the state SGLang last tracked, at the prompt's last checkpoint-grid point or
+        at the last multiple of the decode track interval the output passed, whichever is
+        deeper; :func:`tracked_state`).
+    track_interval: ``--mamba-track-interval`` under ``tracked`` (0: the launcher's: the grid
+        under ``kda``, SGLang's 256 under ``stock``; decode tracks on the least common multiple
+        of it and the grid).
     integrity: run the tree's integrity check after every round.
     round_jitter: multiplicative factors on a round's predicted time, one drawn per round
         (uniformly, from a generator seeded by ``seed`` and the rank): the spread of real round
@@ -153,7 +172,8 @@ class SimConfig:
     idle_wake_s: float = 0.0
     idle_wake_after_s: float = 0.05
     integrity: bool = False
-    finished_state: str = "prompt"
+    finished_state: str = "tracked"
+    track_interval: int = 0
     eviction: object = "marconi"
     round_jitter: tuple = ()
     seed: int = 0
@@ -175,8 +195,12 @@ class SimConfig:
         self.spacing = grid_mod.checkpoint_spacing(self.checkpoint_every, self.page_size)
         if self.aligned_cuts is None:
             self.aligned_cuts = self.policy == "kda"
-        if self.finished_state not in ("prompt", "end"):
-            raise ValueError("finished_state must be 'prompt' or 'end'")
+        if self.finished_state not in FINISHED_STATES:
+            raise ValueError(f"finished_state must be one of {FINISHED_STATES}")
+        if self.track_interval < 0:
+            raise ValueError("track_interval must be >= 0 (0: the launcher's)")
+        if not self.track_interval:
+            self.track_interval = self.grid if self.policy == "kda" else SGLANG_TRACK_INTERVAL
         # The rule is the kda policy's (the server patches it in with --kda-policy kda only);
         # stock keeps SGLang's LRU.
         self.round_jitter = tuple(float(x) for x in self.round_jitter)
@@ -233,6 +257,7 @@ class SimReq:
     node: object = None  # the tree node this request locks
     generated: int = 0
     token_times: list = field(default_factory=list)
+    worst_gap: float = 0.0  # the longest gap between two of its tokens so far
     finish: float = math.nan
     state: str = "pending"  # pending, waiting, prefill, decode, done
     rounds: int = 0  # prefill rounds taken
@@ -411,6 +436,7 @@ class Rank:
                 decode_ctx,
                 queue,
                 inflight=self.chunked.rid if self.chunked else None,
+                decode_worst=[r.worst_gap for r in self.running],
                 **self.plan_inputs,
             )
             self.last_decision = dec
@@ -593,6 +619,8 @@ class Rank:
 
     def _emit(self, r: SimReq, t: float) -> None:
         r.generated += 1
+        if r.token_times:
+            r.worst_gap = max(r.worst_gap, t - r.token_times[-1])
         r.token_times.append(t)
         if r.generated >= r.out:
             self._finish(r, t)
@@ -604,7 +632,11 @@ class Rank:
         outs = tuple(-(self.id * 10**12 + self.out_counter + k) - 1 for k in range(r.out - 1))
         self.out_counter += r.out
         path = r.ids + outs
-        at = len(r.ids) if self.cfg.finished_state == "prompt" else len(path)
+        at = {
+            "prompt": len(r.ids),
+            "end": len(path),
+            "tracked": tracked_state(len(r.ids), len(path), self.cfg.grid, self.cfg.track_interval),
+        }[self.cfg.finished_state]
         marks = [at] if at % self.cfg.page_size == 0 else []
         self.tree.insert(path, marks, start=r.node, enforce=False)
         if r.node is not None:

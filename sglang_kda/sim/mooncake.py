@@ -264,13 +264,16 @@ def to_trace(
     *,
     time_scale: float = 1.0,
     length_scale: float = 1.0,
+    output_scale: float = 1.0,
     name: str = "mooncake",
     vocab: tuple[int, int] = (10, 1000),
     seed: int = 0,
 ) -> Trace:
     """A simulator trace of ``requests``: ids ``mc<index>``, ``ids`` prompts
-    (:func:`prompt_ids`), ``out = max(1, output_length)``, arrivals from the first request's
-    (it arrives at 0) with the gaps multiplied by ``time_scale`` (0.5: twice the rate).
+    (:func:`prompt_ids`, ``length_scale``), ``out = max(1, round(output_length *
+    output_scale))`` (``benchmark/trace_replay.py``'s ``max_new_tokens``), arrivals from the
+    first request's (it arrives at 0) with the gaps multiplied by ``time_scale`` (0.5: twice the
+    rate; each tick's requests together, trace_replay's ``--arrivals keep``).
 
     Memory: prompts share their token objects; a prompt tuple costs 8 bytes a token.
     """
@@ -281,7 +284,10 @@ def to_trace(
     t0 = min(r.arrival_s for r in requests)
     reqs = [
         TraceRequest(
-            f"mc{r.index}", max(1, r.output_length), t=(r.arrival_s - t0) * time_scale, ids=ids
+            f"mc{r.index}",
+            max(1, round(r.output_length * output_scale)),
+            t=(r.arrival_s - t0) * time_scale,
+            ids=ids,
         )
         for r, ids in zip(requests, _prompts(requests, vocab, seed, length_scale), strict=True)
     ]

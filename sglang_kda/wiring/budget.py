@@ -51,7 +51,7 @@ from sglang_kda.policy.cost_model import (
     cache_key,
     default_cache_path,
 )
-from sglang_kda.policy.round import Decision, RoundPlanner
+from sglang_kda.policy.round import Decision, RoundPlanner, StreamGaps, tolerated_gap
 from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
 
@@ -257,6 +257,7 @@ class BudgetRuntime:
     leader: bool = True
     share: Optional[Share] = None
     clock: StepClock = field(default_factory=StepClock)
+    gaps: StreamGaps = field(default_factory=StreamGaps)  # the decode streams' worst gaps
     last_drift_log: int = -(10**9)
     # the last planned round's inputs and decision as the round log writes them
     # (sglang_kda.wiring.round_log); None until a round is planned
@@ -316,6 +317,7 @@ class BudgetRuntime:
         queue: Sequence[tuple[str, int]],
         inflight: Optional[str],
         newcomers: Iterable[tuple[str, int, Optional[float], float]] = (),
+        decode_worst: Sequence[float] = (),
     ) -> Orders:
         """One round on every TP rank. The leader books ``newcomers`` (rid, prompt tokens, own
         deadline or ``None``, arrival; see :meth:`admit`; their tokens done as ``queue`` gives
@@ -330,7 +332,7 @@ class BudgetRuntime:
                 msg = self.admit(rid, now, total, override_s, arrival, done.get(rid, 0))
                 if msg:
                     refused[rid] = msg
-            orders = Orders(self.decide(now, decode_ctx, queue, inflight), refused)
+            orders = Orders(self.decide(now, decode_ctx, queue, inflight, decode_worst), refused)
         if self.share is not None and queue:
             orders = self.share(orders)
         if orders is None:  # a follower, nothing queued: nothing was planned
@@ -347,9 +349,11 @@ class BudgetRuntime:
         decode_ctx: Sequence[int],
         queue: Iterable[tuple[str, int]],
         inflight: Optional[str],
+        decode_worst: Sequence[float] = (),
     ) -> Optional[Decision]:
         """Plan the round (:meth:`RoundPlanner.decide` with this process's cost model and its
-        recent error); ``None``: nothing to prefill, upstream's round runs."""
+        recent error, and the decode streams' worst gaps so far); ``None``: nothing to prefill,
+        upstream's round runs."""
         error, overhead, slow = self.fit.error_ema, self.clock.gap_s, self.fit.slow_factor()
         self.last_round = {
             "now": now,
@@ -357,6 +361,7 @@ class BudgetRuntime:
             "error": error,
             "overhead": overhead,
             "slow": slow,
+            "tolerated_s": tolerated_gap(decode_worst),
         }
         dec = self.planner.decide(
             self.model,
@@ -368,6 +373,7 @@ class BudgetRuntime:
             overhead=overhead,
             slow=slow,
             launched=self.clock.launched_prefills(),
+            decode_worst=decode_worst,
         )
         self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:
@@ -653,7 +659,8 @@ def plan_round(sched: Any, running_batch: Any) -> Optional[Decision]:
     decode_ctx = [r.seqlen for r in running_batch.reqs]  # as sglang_kda.steps counts it
     now = time.monotonic()
     fresh = newcomers(sched.waiting_queue, now) if st.leader else ()
-    orders = st.plan(now, decode_ctx, queue, inflight, fresh)  # every TP rank, same queue
+    worst = st.gaps.worst([r.rid for r in running_batch.reqs]) if st.leader else ()
+    orders = st.plan(now, decode_ctx, queue, inflight, fresh, worst)  # every TP rank
     refuse(sched.waiting_queue, orders.refused)
     return orders.decision
 
@@ -719,9 +726,14 @@ def synchronous_forward() -> bool:
     return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
-def step_done(sched: Any, result: Any) -> None:
+def step_done(sched: Any, result: Any, batch: Any = None) -> None:
     """The step that returned ``result`` is processed: time it and book its prefills
-    (:meth:`BudgetRuntime.finished`)."""
+    (:meth:`BudgetRuntime.finished`), and see its requests' output tokens (the decode streams'
+    worst gaps, :class:`~sglang_kda.policy.round.StreamGaps`)."""
     st = getattr(sched, "_kda_budget", None)
     if st:
-        st.finished(result, time.perf_counter(), time.monotonic())
+        now = time.monotonic()
+        st.finished(result, time.perf_counter(), now)
+        if st.leader and batch is not None:
+            for req in getattr(batch, "reqs", None) or ():
+                st.gaps.saw(req.rid, len(req.output_ids or ()), now, req.finished())

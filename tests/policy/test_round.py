@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_kda.policy.budget import BudgetConfig, Plan
-from sglang_kda.policy.cost_model import Coefficients, CostModel
+from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda.policy.grid import aligned_chunk_len
 from sglang_kda.policy.round import (
     RoundPlanner,
@@ -133,7 +133,7 @@ def test_planner_keeps_the_book_in_step_with_the_queue():
     planner.book.admit(MODEL, "short", 0.2, 80)
     dec = planner.decide(MODEL, 0.3, [30], [("long", 256), ("short", 0)], inflight="long")
     assert planner.book.live["long"].done == 256
-    # its planned slice, and half a slice of room beside it for the short prompt
+    # its planned slice, and room beside it for the short prompt (its tokens on the grid)
     assert dec.plan.rid == "long" and dec.plan.mode == "share" and dec.head is None
     assert dec.keep == dec.cap == dec.plan.tokens and dec.chunk_budget == dec.plan.tokens + 128
     assert planner.rounds == {"prefill_only": 1, "share": 1}
@@ -326,4 +326,54 @@ def test_a_round_finishing_the_in_flight_prompt_gives_the_rest_only_where_it_sav
     planner.book.admit(MODEL, "long", 0.0, 20_000, done=832)
     planner.book.admit(MODEL, "cold", 0.0, 2040)
     dec = planner.decide(MODEL, 0.0, decode, [("long", 832), ("cold", 0)], inflight="long")
-    assert dec.chunk_budget == dec.keep + 256
+    # the cold prompt is no short request (its prefill alone is past the round's budget): it
+    # waits, no room is left beside (issue 39); a short one gets its tokens' room
+    assert dec.chunk_budget == dec.keep
+    planner.book.admit(MODEL, "short", 0.0, 80)
+    queue = [("long", 832), ("cold", 0), ("short", 0)]
+    dec = planner.decide(MODEL, 0.0, decode, queue, inflight="long")
+    assert dec.chunk_budget == dec.keep + 128
+
+
+def test_stream_gaps_keep_each_streams_worst_gap_and_forget_finished_ones():
+    from sglang_kda.policy.round import StreamGaps, tolerated_gap
+
+    g = StreamGaps()
+    g.saw("a", 1, 0.0)  # its first token: no gap yet
+    g.saw("b", 3, 0.0)
+    assert g.worst(["a", "b", "c"]) == [0.0, 0.0, 0.0]
+    g.saw("a", 2, 0.05)
+    g.saw("a", 2, 0.30)  # no new token: no gap closes
+    g.saw("a", 3, 0.40)
+    g.saw("b", 4, 0.10)
+    assert g.worst(["a", "b"]) == pytest.approx([0.35, 0.10])
+    g.saw("a", 4, 0.45, finished=True)
+    assert "a" not in g.seen and g.worst(["b"]) == pytest.approx([0.10])
+    assert tolerated_gap([]) == 0.0
+    assert tolerated_gap([0.0, 0.3, 0.1]) == pytest.approx(0.1)  # the median
+    assert tolerated_gap([0.0, 0.3]) == pytest.approx(0.15)
+
+
+def test_a_slice_grows_to_the_gap_the_decode_streams_already_had():
+    """``tolerated`` (issue 39): where the running streams' median worst gap already covers a
+    longer round, the prompt's slice grows to it (here its whole remainder); with streams that
+    had no gap yet it is cut to the round budget as before."""
+    cfg = BudgetConfig(grid=GRID, max_slice=4096, ttft_deadline_s=100.0, max_slowdown=0)
+    decode = [1100] * 8
+
+    def decide(worst):
+        planner = RoundPlanner(cfg)
+        planner.book.admit(MODEL, "p", 0.0, 4000)
+        return planner.decide(MODEL, 0.0, decode, [("p", 0)], None, decode_worst=worst)
+
+    cut = decide([0.0] * 8)
+    assert cut.plan.mode == "share" and cut.plan.tokens < 4000
+    whole = MODEL.predict(BatchShape(tuple(decode), (Slice(0, 4000),)))
+    wide = decide([whole * 1.01] * 8)
+    assert (wide.plan.mode, wide.plan.tokens) == ("tolerated", 4000)
+    part = decide([whole * 0.6] * 8)
+    assert part.plan.mode == "tolerated" and cut.plan.tokens < part.plan.tokens < 4000
+    assert part.plan.tokens % GRID == 0
+    assert part.plan.predicted_s <= whole * 0.6
+    # most streams without a gap yet: the median is 0, the cut as before
+    assert decide([whole * 1.01] * 3 + [0.0] * 5).plan.mode == "share"

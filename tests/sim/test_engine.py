@@ -90,8 +90,15 @@ def test_repeat_computes_at_most_one_grid_step_under_kda():
     res = run(T.repeats(n=2, length=826), policy="kda", chunked_prefill_size=4096)
     second = [r for r in res.requests if r.rid == "rp1"][0]
     assert second.computed <= 64
-    stock = run(T.repeats(n=2, length=826), policy="stock", chunked_prefill_size=4096)
-    assert [r for r in stock.requests if r.rid == "rp1"][0].computed == 826
+    # stock: under extra_buffer (the default) the first prompt's state is tracked at its last
+    # grid point, 768; under no_buffer it sits at the prompt's end, which a repeat (one token
+    # left to compute) cannot use
+    for where, computed in (("tracked", 826 - 768), ("prompt", 826)):
+        stock = run(
+            T.repeats(n=2, length=826), policy="stock", chunked_prefill_size=4096,
+            finished_state=where,
+        )  # fmt: skip
+        assert [r for r in stock.requests if r.rid == "rp1"][0].computed == computed
 
 
 def test_twins_compute_shared_prefix_once():
@@ -260,6 +267,23 @@ def test_finished_state_position():
         res = run(tr, policy="kda", chunked_prefill_size=4096, finished_state=where)
         by[where] = {r.rid: r for r in res.requests}["mt0.1"].computed
     assert by["prompt"] == 100 and by["end"] == 400 - 256
+
+
+def test_tracked_finished_state_is_the_last_state_extra_buffer_tracked():
+    """``tracked`` (extra_buffer, the default): the prompt's last grid point, or the last multiple
+    of the decode track interval (on the grid) the output passed, the deeper one. Issue 36: the
+    server computed 2,848 prompt tokens of sim_validate's multi_turn, the simulator at the
+    prompt's end 2,400."""
+    from sglang_kda.sim.engine import tracked_state
+
+    assert tracked_state(300, 319, 64, 64) == 256  # no grid point passed in the output
+    assert tracked_state(300, 399, 64, 64) == 384  # decode tracked at 320 and 384
+    assert tracked_state(300, 399, 64, 256) == 256  # stock: SGLang's 256
+    assert tracked_state(300, 519, 64, 256) == 512
+    assert tracked_state(256, 256, 64, 64) == 256
+    tr = T.multi_turn(convs=1, turns=2, first=300, answer=40, user=60, out=20)
+    res = run(tr, policy="kda", chunked_prefill_size=4096)  # the default
+    assert {r.rid: r for r in res.requests}["mt0.1"].computed == 400 - 256
 
 
 def test_paged_tree_drops_off_page_checkpoints():

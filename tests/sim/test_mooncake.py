@@ -110,6 +110,8 @@ def test_to_trace_prompts_times_and_sharing(trace_file):
     assert [q.id for q in tr.requests] == ["mc1", "mc2", "mc3", "mc4"]
     assert [q.t for q in tr.requests] == [0.0, 0.5, 0.875, 1.75]
     assert [q.out for q in tr.requests] == [3, 1, 9, 2]  # output 0 still samples one token
+    # output_scale: round(output_length x scale), at least 1 (trace_replay's max_new_tokens)
+    assert [q.out for q in mc.to_trace(rs, output_scale=0.5).requests] == [2, 1, 4, 1]
     for r, q in zip(rs, tr.requests, strict=True):
         assert list(q.ids) == mc.prompt_ids(r)
     # prompts share their token objects (one int object per vocabulary entry)

@@ -12,11 +12,16 @@ nothing is read from the committed tables, which are the code's own output.
   computes fewer, as many, or more prefill tokens than ``stock`` in both.
 - The calibration's fit recovers the coefficients of a known cost model from a step trace and
   client records that model generated.
+- The ``conversation`` workload (where the Mooncake trace is) is the trace slice scaled as
+  ``benchmark/trace_replay.py`` scales it, the same every time, and the simulator finishes it;
+  its verdict counts its worst gap p90 beside TTFT.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -25,11 +30,14 @@ import pytest
 
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda.sim import calibrate as C
+from sglang_kda.sim import mooncake as mc
 from sglang_kda.sim import validate as V
-from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS
-from sglang_kda.sim.engine import simulate
+from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS, cpu_model
+from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.metrics import summarize
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmark" / "results" / "sim"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmark" / "results" / "sim"
 POLICIES = ("kda", "stock")
 WORKLOADS = tuple(V.workloads())
 
@@ -55,9 +63,13 @@ def runs() -> dict:
         fit = C.fit_cpu_model([cal], chunk=raw["chunk"], log=lambda _: None)
         gap, _ = C.streams_timing([cal], fit.model, jitter=False)
         timing = dict(ingress_s=fit.ingress_s, idle_wake_s=fit.idle_wake_s, ingress_gap_s=gap)
-        cfg = V.sim_config(policy, timing)
+        # where a finished request's state sits: the records' own (as `V.evaluate` takes it;
+        # records made before it was recorded ran no_buffer: the prompt's end)
+        cfg = V.sim_config(policy, timing, finished_state=raw.get("finished_state", "prompt"))
         sims = {}
         for name, tr in V.workloads(raw["quick"]).items():
+            if name not in raw["rounds"][0]["workloads"]:
+                continue  # the records predate this workload
             res = simulate(tr, cfg, fit.model)
             assert not res.unfinished, name
             sims[name] = {r.rid: (r.computed, r.cached) for r in res.requests}
@@ -69,6 +81,8 @@ def runs() -> dict:
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_token_counts_match_the_server_per_request(runs, policy, name):
     raw, sims = runs[policy]
+    if name not in sims:
+        pytest.skip(f"the committed {policy} records have no {name}")
     sim = sims[name]
     trace = V.workloads(raw["quick"])[name]
     groups: dict = {}  # requests released at one instant: interchangeable
@@ -90,6 +104,8 @@ def _total_prefill(tokens: dict) -> int:
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_kda_against_stock_moves_as_on_the_server(runs, name):
     (raw_kda, sim_kda), (raw_stock, sim_stock) = runs["kda"], runs["stock"]
+    if name not in sim_kda or name not in sim_stock:
+        pytest.skip(f"the committed records have no {name}")
     server = [
         _total_prefill(_server_tokens(raw["rounds"][0]["workloads"][name]))
         for raw in (raw_kda, raw_stock)
@@ -230,3 +246,157 @@ def test_server_summary_and_compare_report_the_worst_gap_beside_itl():
     none = C.server_summary({"c": recs["c"]})
     assert none["gap_p90_ms"] is None
     assert "gap_p90_ms" not in [r["metric"] for r in V.compare("w", "kda", [none], [none])]
+
+
+# --- the conversation workload (the Mooncake trace slice) -------------------------------------
+
+needs_trace = pytest.mark.skipif(
+    not V.mooncake_path().is_file(), reason="the Mooncake trace is not here"
+)
+
+
+def _trace_replay():
+    """``benchmark/trace_replay.py`` as a module (its ``build_plan`` is the server replay's
+    scaling)."""
+    spec = importlib.util.spec_from_file_location(
+        "trace_replay", REPO / "benchmark/trace_replay.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_trace
+@pytest.mark.parametrize("quick", [False, True])
+def test_conversation_is_the_slice_trace_replay_sends(quick):
+    c = V.CONVERSATION_QUICK if quick else V.CONVERSATION
+    w = V.workloads(quick)
+    assert list(w)[-1] == "conversation"
+    tr = w["conversation"]
+    tr.validate()
+    lo, hi = (10, 20) if quick else (40, 70)
+    assert lo <= len(tr.requests) <= hi
+    reqs = mc.load(V.mooncake_path(), start_s=c["start_s"], end_s=c["end_s"])
+    plan = _trace_replay().build_plan(
+        reqs,
+        time_scale=c["time_scale"],
+        length_scale=c["length_scale"],
+        output_scale=c["output_scale"],
+    )
+    # request for request what `trace_replay.py --start --end --time-scale --length-scale
+    # --output-scale` sends (arrivals kept): the time, the token ids, the output length
+    assert [r.id for r in tr.requests] == [f"mc{p.index}" for p in plan]
+    for r, p in zip(tr.requests, plan, strict=True):
+        assert r.t == pytest.approx(p.send_s)
+        assert r.ids == p.ids and r.out == p.max_new
+    # prompts of a few hundred to a few thousand tokens; the replay lasts 60-90 s (quick: ~12 s)
+    lengths = [len(r.ids) for r in tr.requests]
+    assert 300 <= np.median(lengths) <= 1000 and max(lengths) <= 6000
+    span = max(r.t for r in tr.requests)
+    assert (10 <= span <= 15) if quick else (60 <= span <= 90)
+    # equal hash ids, equal tokens: every request opens with block 0 (the system prompt)
+    block = round(mc.BLOCK * c["length_scale"])
+    assert all(m.hash_ids[0] == reqs[0].hash_ids[0] for m in reqs)
+    assert len({r.ids[:block] for r in tr.requests}) == 1
+
+
+@needs_trace
+def test_conversation_is_deterministic():
+    a, b = V.conversation(), V.workloads()["conversation"]
+    assert a is not b
+    assert [(r.id, r.t, r.out, r.ids) for r in a.requests] == [
+        (r.id, r.t, r.out, r.ids) for r in b.requests
+    ]
+    assert (a.vocab, a.seed) == (b.vocab, b.seed)
+
+
+@needs_trace
+def test_conversation_simulates_to_the_end():
+    """The default kda simulator finishes every request, each prompt token computed or cached;
+    the validation's configuration with the committed CPU model (where it is) keeps the load
+    light: the bursts drain, TTFT p50 well under a second."""
+    tr = V.conversation()
+    model = cpu_model(RESULTS / "cpu_cost_model_kda.json")
+    res = simulate(tr, SimConfig(policy="kda"), model)
+    assert not res.unfinished
+    assert len(res.requests) == len(tr.requests)
+    assert all(r.computed + r.cached == len(r.ids) for r in res.requests)
+    assert all(r.generated == r.out for r in res.requests)
+    path = RESULTS / "cpu_cost_model_kda.json"
+    if path.exists():
+        extra = json.loads(path.read_text())
+        timing = dict(
+            ingress_s=extra["per_request_fixed_s"],
+            idle_wake_s=extra["idle_wake_s"],
+            ingress_gap_s=extra["ingress_gap_s"],
+        )
+        s = summarize(simulate(tr, V.sim_config("kda", timing), model))
+        assert s["finished"] == len(tr.requests)
+        assert s["ttft_p50_ms"] < 600 and s["duration_s"] < max(r.t for r in tr.requests) + 10
+
+
+def test_missing_trace_leaves_the_workload_out_with_one_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(V.MOONCAKE_ENV, str(tmp_path / "absent.jsonl"))
+    for quick in (False, True, False):
+        w = V.workloads(quick)
+        assert "conversation" not in w and "shared_prefix" in w
+    assert V.conversation() is None
+    out = capsys.readouterr().out
+    assert out.count("conversation workload is left out") == 1
+
+
+def test_conversation_verdict_counts_its_worst_gap():
+    s = {k: 100.0 for k in V.LATENCY + V.GAPS} | {"prefill_tokens": 10, "cached_tokens": 0}
+    off = dict(s, gap_p90_ms=130.0, itl_p99_ms=200.0)  # 30% and 100% off
+    rows = V.compare("twin_bursts", "kda", [s], [s]) + V.compare("conversation", "kda", [s], [off])
+    assert [V.judged(r) for r in rows if r["metric"] == "gap_p90_ms"] == [False, True]
+    _, verdict = V.table(rows)
+    # 4 + 4 latency figures, and the conversation's gap p90: 2 of them past 15%
+    assert "7 of 9 within 15%" in verdict
+    assert (
+        "conversation (kda): prefill tokens server 10 sim 10 (identical); TTFT p50 0.0%, "
+        "p99 0.0%, worst gap p90 30.0%: 2 of 3 within 15%" in verdict
+    )
+
+
+@needs_trace
+def test_evaluate_takes_the_conversation_and_leaves_out_what_was_not_recorded(capsys):
+    """One round of the committed kda records cut to ``repeats``, plus conversation records the
+    simulator made (the server's stand-in): evaluated with their token counts identical, the
+    workloads the round lacks named and left out, the conversation's line above the verdict."""
+    path = RESULTS / "validate_raw_kda.json"
+    if not path.exists():
+        pytest.skip("no committed validation records for kda")
+    raw = json.loads(path.read_text())
+    rnd = raw["rounds"][0]
+    raw["rounds"] = [rnd]
+    for k in ("workloads", "windows", "workload_steps"):
+        rnd[k] = {n: v for n, v in rnd.get(k, {}).items() if n == "repeats"}
+    fit = C.fit_cpu_model([rnd], chunk=raw["chunk"], log=lambda _: None)
+    gap, _ = C.streams_timing([rnd], fit.model, jitter=False)
+    timing = dict(ingress_s=fit.ingress_s, idle_wake_s=fit.idle_wake_s, ingress_gap_s=gap)
+    tr = V.conversation()
+    res = simulate(tr, V.sim_config("kda", timing, finished_state="prompt"), fit.model)
+    rnd["workloads"]["conversation"] = {
+        q.rid: {
+            "arrival": q.arrival,
+            "token_times": list(q.token_times),
+            "n_ids": len(q.ids),
+            "prompt_tokens": len(q.ids),
+            "cached_tokens": q.cached,
+        }
+        for q in res.requests
+    }
+    if "repeats" in rnd["windows"]:  # format 4: each workload's window
+        rnd["windows"]["conversation"] = rnd["windows"]["repeats"]
+    rows = V.evaluate(raw, seeds=1)
+    out = capsys.readouterr().out
+    assert "[kda] shared_prefix: not in these records: left out" in out
+    assert {r["workload"] for r in rows} == {"repeats", "conversation"}
+    conv = {r["metric"]: r for r in rows if r["workload"] == "conversation"}
+    assert conv["prefill_tokens"]["server"] == conv["prefill_tokens"]["sim"]
+    assert "gap_p90_ms" in conv
+    _, verdict = V.table(rows)
+    assert "of 9 within 15%" in verdict  # 4 + 4 + the conversation's worst gap p90
+    assert "conversation (kda): prefill tokens server" in verdict and "(identical)" in verdict
