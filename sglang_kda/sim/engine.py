@@ -436,8 +436,7 @@ class Rank:
                 decode_ctx,
                 queue,
                 inflight=self.chunked.rid if self.chunked else None,
-                decode_worst=[r.worst_gap for r in self.running],
-                **self.plan_inputs,
+                **{"decode_worst": [r.worst_gap for r in self.running], **self.plan_inputs},
             )
             self.last_decision = dec
             if dec is not None:

@@ -97,6 +97,8 @@ def replay(header: dict, passes: list[dict]) -> ReplayResult:
         if plan:
             rank.cost = CostModel(Coefficients(**plan["coef"]), kda_layers, mla_layers)
             rank.plan_inputs = {k: plan[k] for k in ("error", "overhead", "slow")}
+            if plan.get("tolerated_s") is not None:  # the server's measured streams' gap
+                rank.plan_inputs["decode_worst"] = (plan["tolerated_s"],)
         seconds = p.get("seconds")
         rank.clock = (lambda shape, s=seconds: s) if seconds else None
         for a in p["arrivals"]:

@@ -8,8 +8,10 @@ one pass of the scheduler's loop that planned or ran something:
 * ``arrivals``: the requests new in the waiting queue, as the scheduler saw them (rid, prompt
   token ids, ``max_new_tokens``, arrival on the same clock);
 * ``plan``: the serial budget's inputs that are not the queue (its clock, cost-model
-  coefficients, recent error, overhead and slowness) and its decision; ``null`` without the
-  budget or when it planned nothing;
+  coefficients, recent error, overhead and slowness, the decode streams' tolerated gap
+  ``tolerated_s``) and its decision, whose ``mode`` says why the round was sized as it was
+  (:data:`sglang_kda.policy.budget.MODES`); ``null`` without the budget or when it planned
+  nothing;
 * ``slices``: the prefill slices of the batch, in batch order: (rid, prefix, extend);
 * ``decode``: the rids decoding in it (a decode batch, or the decode part of a mixed one);
 * ``seconds``: the step's time as the serial budget measured it (launch to processed result),
