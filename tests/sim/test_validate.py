@@ -400,3 +400,24 @@ def test_evaluate_takes_the_conversation_and_leaves_out_what_was_not_recorded(ca
     _, verdict = V.table(rows)
     assert "of 9 within 15%" in verdict  # 4 + 4 + the conversation's worst gap p90
     assert "conversation (kda): prefill tokens server" in verdict and "(identical)" in verdict
+
+
+def test_the_conversation_slice_computes_the_servers_tokens_per_request():
+    """The committed server run of the conversation workload (issue 39, default flags:
+    overlap + extra_buffer): the simulator, fitted on its first calibration, computes and caches
+    exactly the server's tokens, request by request."""
+    path = RESULTS / "conversation" / "validate_raw_kda.json"
+    raw = json.loads(path.read_text())
+    tr = V.conversation(raw["quick"], raw.get("trace"))
+    if tr is None:
+        pytest.skip("no Mooncake trace file here")
+    cal = raw["rounds"][0]
+    fit = C.fit_cpu_model([cal], chunk=raw["chunk"], log=lambda _: None)
+    gap, _ = C.streams_timing([cal], fit.model, jitter=False)
+    timing = dict(ingress_s=fit.ingress_s, idle_wake_s=fit.idle_wake_s, ingress_gap_s=gap)
+    cfg = V.sim_config("kda", timing, finished_state=raw["finished_state"])
+    res = simulate(tr, cfg, fit.model)
+    assert not res.unfinished
+    sim = {r.rid: (r.computed, r.cached) for r in res.requests}
+    for rnd in raw["rounds"]:
+        assert _server_tokens(rnd["workloads"]["conversation"]) == sim
