@@ -354,10 +354,11 @@ def test_stream_gaps_keep_each_streams_worst_gap_and_forget_finished_ones():
     assert tolerated_gap([0.0, 0.3]) == pytest.approx(0.15)
 
 
-def test_a_slice_grows_to_the_gap_the_decode_streams_already_had():
-    """``tolerated`` (issue 39): where the running streams' median worst gap already covers a
-    longer round, the prompt's slice grows to it (here its whole remainder); with streams that
-    had no gap yet it is cut to the round budget as before."""
+def test_a_prompt_whose_whole_round_the_streams_already_tolerate_is_taken_whole():
+    """``tolerated`` (issue 39): where the running streams' median worst gap already covers the
+    prompt's whole remaining round, it is taken whole; a gap short of that leaves the cut as it
+    was (growing a slice part way sustained itself); with streams that had no gap yet it is cut
+    to the round budget as before."""
     cfg = BudgetConfig(grid=GRID, max_slice=4096, ttft_deadline_s=100.0, max_slowdown=0)
     decode = [1100] * 8
 
@@ -372,8 +373,6 @@ def test_a_slice_grows_to_the_gap_the_decode_streams_already_had():
     wide = decide([whole * 1.01] * 8)
     assert (wide.plan.mode, wide.plan.tokens) == ("tolerated", 4000)
     part = decide([whole * 0.6] * 8)
-    assert part.plan.mode == "tolerated" and cut.plan.tokens < part.plan.tokens < 4000
-    assert part.plan.tokens % GRID == 0
-    assert part.plan.predicted_s <= whole * 0.6
+    assert (part.plan.mode, part.plan.tokens) == ("share", cut.plan.tokens)
     # most streams without a gap yet: the median is 0, the cut as before
     assert decide([whole * 1.01] * 3 + [0.0] * 5).plan.mode == "share"
