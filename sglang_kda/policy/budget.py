@@ -29,7 +29,7 @@ budget, priced by :class:`~sglang_kda.policy.cost_model.CostModel`:
   (``drain``) the later rounds delay their first tokens too: the gain counts once for each,
   and the round may take up to ``max_round_s``. A prompt whose whole remainder's round fits
   within the median worst gap the running decode streams have already had is taken whole
-  (``tolerated``, :func:`tolerated_slice`): that round lengthens no more than half of their
+  (``tolerated``, :func:`whole_reason`): that round lengthens no more than half of their
   worst stalls. When the round finishes the head
   (``share`` covers what it has left), nothing else waits to prefill and decode ran the round
   before, the prompt runs without the decode tokens if they would delay its first token more
@@ -647,33 +647,28 @@ def finish_whole(
     random-ids at concurrency 16: TTFT median 1.09-1.19x stock's, output throughput 0.94-0.95x,
     each 500-1,500-token arrival cut into 64-token slices beside 15 decode streams).
     """
-    if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
-        return False
-    ctx = tuple(decode_ctx)
-    whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
-    stretch = FINISH_STRETCH * budget
-    if behind > 0 and cfg.max_round_s > 0:
-        stretch = max(stretch, cfg.max_round_s / cfg.slow)
-    if whole > stretch:
-        return False
-    cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
-    gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
-    return gain * (1 + behind) > whole - cut
+    return whole_reason(model, decode_ctx, p, tokens, budget, cfg, behind) is not None
 
 
-def tolerated_slice(
+def whole_reason(
     model: CostModel,
     decode_ctx: Sequence[int],
     p: Prefill,
     tokens: int,
-    tolerated_s: float,
+    budget: float,
     cfg: BudgetConfig,
-) -> int:
-    """All ``p`` has left when its whole remainder's round is predicted within ``tolerated_s``
-    (the worst gap the running streams have already had, as the caller measures it, in the
-    model's time), else ``tokens``. Slicing a prompt finer never makes decode's tokens come
-    sooner on the whole (each stream gets one token a round either way); it only spreads them
-    evenly, and delays the prompt's first token by a round's fixed cost per extra round. Where
+    behind: int = 0,
+    tolerated_s: float = 0.0,
+) -> str | None:
+    """Why the round takes all ``p`` has left instead of cutting it at ``tokens`` (``None``: it
+    cuts), pricing the whole remainder's round once: ``share`` (:func:`finish_whole` without
+    the prompts behind), ``drain`` (only with the ``behind`` prompts counted) or ``tolerated``
+    (its round is predicted within ``tolerated_s``).
+
+    ``tolerated_s``: the worst gap the running streams have already had, as the caller measures
+    it, in the model's time. Slicing a prompt finer never makes decode's tokens come sooner on
+    the whole (each stream gets one token a round either way); it only spreads them evenly, and
+    delays the prompt's first token by a round's fixed cost per extra round. Where
     the streams have already had a gap as long as the prompt's whole round (a queue drained, a
     cache miss beside them), a cut buys no user a shorter stall (issue 39, bench_serving
     random-ids at concurrency 16: each 500-1,500-token arrival cut into 2-4 rounds beside 15
@@ -681,10 +676,24 @@ def tolerated_slice(
     to the tolerated gap sustained itself (the next round tolerates the gap the last one made;
     in the simulator at H200 TP8, Mooncake 0-600 s, pooled ITL p99 84 ms against 50 without the
     rule and TTFT p50 0.30 s against 0.21; whole remainders only: 62 ms, 0.23 s)."""
-    if tolerated_s <= 0 or not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
-        return tokens
-    whole = _slicer(model)(ctx_tuple(decode_ctx), p.done, p.remaining)
-    return p.remaining if whole <= tolerated_s else tokens
+    if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
+        return None
+    ctx = tuple(decode_ctx)
+    whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
+    stretch = FINISH_STRETCH * budget
+    wide = stretch
+    if behind > 0 and cfg.max_round_s > 0:
+        wide = max(stretch, cfg.max_round_s / cfg.slow)
+    if whole <= wide:
+        cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
+        gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
+        if whole <= stretch and gain > whole - cut:
+            return "share"
+        if behind > 0 and gain * (1 + behind) > whole - cut:
+            return "drain"
+    if 0 < tolerated_s and whole <= tolerated_s:
+        return "tolerated"
+    return None
 
 
 def finish_first(
@@ -724,7 +733,7 @@ def plan_round(
     model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
     before this one (``None``: a prefill that must run alone never lets decode in,
     :func:`interleave_due`). ``tolerated_s``: a round the decode tokens' worst gap so far
-    already covers (model time; :func:`tolerated_slice`)."""
+    already covers (model time; :func:`whole_reason`)."""
     decode_ctx = ctx_tuple(decode_ctx)
     plan = _plan_head(
         model, cfg, now, decode_ctx, prefills, inflight, since_slice, slice_overshoots,
@@ -873,15 +882,9 @@ def _plan_head(
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued, budget))
     share = whole_within_step(head, share, cfg.grid)
     behind = sum(1 for p in pending if p is not head)
-    why = "share"
-    if finish_whole(model, decode_ctx, head, share, budget, cfg):
+    why = whole_reason(model, decode_ctx, head, share, budget, cfg, behind, tolerated_s)
+    if why is not None:
         share = head.remaining
-    elif behind and finish_whole(model, decode_ctx, head, share, budget, cfg, behind):
-        share, why = head.remaining, "drain"  # whole because prompts wait behind it
-    else:
-        wide = tolerated_slice(model, decode_ctx, head, share, tolerated_s, cfg)
-        if wide > share:
-            share, why = wide, "tolerated"
     if (
         since_slice is not None
         and cfg.pace_every > 1
@@ -904,7 +907,7 @@ def _plan_head(
             and finish_first(model, decode_ctx, head, share, cfg)
         ):
             return planned("finish", head.remaining, False)
-        return planned(why, share, True, budget)
+        return planned(why or "share", share, True, budget)
     need = needed_slice(model, decode_ctx, head, now, cfg)
     if need is not None:
         return planned("grow", max(need, share), True)

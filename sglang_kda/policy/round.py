@@ -211,6 +211,7 @@ class RoundPlanner:
     slice_overshoot: bool = False  # the last shared round took longer than its budget
     since_decode: int = 0  # rounds planned ``alone`` (decode waiting) in a row
     slow: float = 1.0  # the slowness the last round was planned with (BudgetConfig.slow)
+    tolerated: float = 0.0  # the last round's tolerated gap (seconds, :func:`tolerated_gap`)
     last_plan: Optional[Plan] = None
     rounds: dict = field(default_factory=dict)
 
@@ -243,7 +244,7 @@ class RoundPlanner:
         divided by it). ``decode_worst``: each running decode stream's worst gap between two
         of its tokens so far (seconds; 0 for one without a gap yet): a round within their median
         (:func:`tolerated_gap`) lengthens the worst stall of no more than half of them
-        (:func:`~sglang_kda.policy.budget.tolerated_slice`).
+        (:func:`~sglang_kda.policy.budget.whole_reason`).
         ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
         decode_ctx = budget_mod.ctx_tuple(decode_ctx)  # one tuple for all the round's predictions
@@ -256,7 +257,8 @@ class RoundPlanner:
         cfg = budget_mod.with_overhead(budget_mod.with_margin(self.cfg, error), overhead)
         cfg = budget_mod.with_slow(cfg, slow)
         self.slow = cfg.slow
-        tolerated = tolerated_gap(decode_worst) / cfg.slow if decode_ctx else 0.0
+        self.tolerated = tolerated_gap(decode_worst)
+        tolerated = self.tolerated / cfg.slow if decode_ctx else 0.0
         plan = budget_mod.plan_round(
             model,
             cfg,

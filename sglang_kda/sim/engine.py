@@ -631,11 +631,11 @@ class Rank:
         outs = tuple(-(self.id * 10**12 + self.out_counter + k) - 1 for k in range(r.out - 1))
         self.out_counter += r.out
         path = r.ids + outs
-        at = {
-            "prompt": len(r.ids),
-            "end": len(path),
-            "tracked": tracked_state(len(r.ids), len(path), self.cfg.grid, self.cfg.track_interval),
-        }[self.cfg.finished_state]
+        where = self.cfg.finished_state
+        if where == "tracked":
+            at = tracked_state(len(r.ids), len(path), self.cfg.grid, self.cfg.track_interval)
+        else:
+            at = len(r.ids) if where == "prompt" else len(path)
         marks = [at] if at % self.cfg.page_size == 0 else []
         self.tree.insert(path, marks, start=r.node, enforce=False)
         if r.node is not None:

@@ -51,7 +51,7 @@ from sglang_kda.policy.cost_model import (
     cache_key,
     default_cache_path,
 )
-from sglang_kda.policy.round import Decision, RoundPlanner, StreamGaps, tolerated_gap
+from sglang_kda.policy.round import Decision, RoundPlanner, StreamGaps
 from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
 
@@ -361,7 +361,6 @@ class BudgetRuntime:
             "error": error,
             "overhead": overhead,
             "slow": slow,
-            "tolerated_s": tolerated_gap(decode_worst),
         }
         dec = self.planner.decide(
             self.model,
@@ -375,6 +374,7 @@ class BudgetRuntime:
             launched=self.clock.launched_prefills(),
             decode_worst=decode_worst,
         )
+        self.last_round["tolerated_s"] = self.planner.tolerated  # the round log's replay input
         self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:
             _inc("rounds", mode=dec.plan.mode)
