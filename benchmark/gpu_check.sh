@@ -1,36 +1,35 @@
 #!/usr/bin/env bash
 # One prepared GPU session (a lent H200, 15 minutes of device time in all, start included): every
 # step has its own timeout and the whole script stops itself at 580 s (GPU_CHECK_BUDGET_S), so it
-# fits one 600 s call. Everything lands in $OUT/gpu_check.txt (plus the benchmark CSV and JSON).
+# fits one 600 s call. Everything lands in $OUT/gpu_check.txt (plus each step's JSON and CSV,
+# written as soon as measured, so a cut-off run still reports what it got).
 #
-# On the device tool's machine (python3 with CUDA torch + Triton there, nothing fetchable):
-#   carry [".whl"]; command: bash benchmark/gpu_check.sh
+# On the device tool's machine (its image's python3 with CUDA torch 2.11 + Triton, no SGLang,
+# nothing fetchable), from the GPU kit (`make gpu-kit`, docs/gpu.md):
+#   carry ["build/gpu-kit/sglang-kda-gpu-kit.tar.xz", ".whl"]; command: bash benchmark/gpu_check.sh
 # where .whl holds fla's pure-Python wheels (flash_linear_attention, fla_core; see
-# requirements/test.txt). Made here with
+# requirements/test.txt), made here with
 #   echo /.whl/ >> .git/info/exclude
 #   .venv/bin/pip download --no-deps -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
-# Elsewhere: PY=.venv/bin/python bash benchmark/gpu_check.sh (a venv with CUDA torch + triton;
-# with SGLang 0.5.23 and this package installed, `pip install -e .`, step 8 serves the model).
+# The kit is extracted to /tmp/gpu-kit and its site-packages put first on PYTHONPATH for the
+# serving steps. Elsewhere: PY=.venv/bin/python bash benchmark/gpu_check.sh (a venv with CUDA
+# torch + Triton, and SGLang 0.5.23 with this package installed when there is no kit).
 #
-# Steps, ordered by what a cut-off run should still have told (budget s; what 2026-12-04's H200
-# run took, benchmark/results/gpu_check/): 1 device facts (40; 27: importing fla imports
-# transformers); 2 decode captured in a CUDA graph, replayed against eager (20; 5); 3 pre-warm:
-# compile our kernels at the Kimi shapes (40; 19); 4 the GPU-marked tests and the capture test:
-# larger shapes, bf16, fla (whose autotune alone took over 70 s), one extend through the adapter
-# with grid checkpoints + SGLang's extra_buffer track snapshot under CUDA's sync debug mode (150);
-# 5 the other kernel tests compiled on sm_90 (190; the first 24 took 150, cold compiles about
-# 6 s a test); 6 grid: 2,100 one-token sequences at H = 32 (rows past 65,535) against unbatched
-# calls (30; did not finish in 20); 7 timing ours / fla / SGLang at T = 8k, 32k with checkpoints
-# every 64, 256, 1024, bf16 error vs fla (120; fla's autotune comes first); 8 serving (240) only
-# where SGLang is installed: the tiny model in bf16 with default flags (overlap scheduler,
-# extra_buffer; auto = our Triton kernel under the kda policy), with --kda-kernel triton
-# --page-size 64, then SGLang's own kernel if time is left: answers vs the float64 reference,
-# cached tokens on a repeat, an off-grid divergence, twins and a 1,500-token divergence, cache
-# integrity (benchmark/gpu_serve_check.py; skipped, saying so, where SGLang is not installed: the
-# lent machine has no SGLang and it is too large to carry).
-# Cannot check on the lent machine: anything of the serving path (no SGLang there, no network to
-# install it, 64 MiB per command) -- SGLang's resolution on CUDA, upstream's packed decode beside
-# our extend, the launch plan's memory reserve. Those need a machine with SGLang installed.
+# Steps, in issue 37's order (budget s):
+#   1 device facts (30);
+#   2 serving the tiny model in bf16 with the GPU's default flags plus --attention-backend triton
+#     (benchmark/gpu_serve_check.py, 150): answers against the float64 reference, cached tokens on
+#     a repeat, an off-grid divergence, twins, a 1,500-token divergence and a prompt longer than
+#     one chunk, the overlap scheduler and extra_buffer reported, cache integrity;
+#   3 Kimi-Linear-48B-A3B at full shape with random weights, kda defaults then --kda-policy stock
+#     (benchmark/gpu_full_shape.py, 270): a 32k prompt cold, one sharing 30k of it, eight decodes
+#     beside a fresh 32k prefill: TTFT, ITL p50/p99, worst gap, cached tokens, peak GPU memory
+#     against the launcher's plan;
+#   4 kernel timings, ours / fla / SGLang's at T = 8k and 32k with checkpoints every 64, 256 and
+#     1024 (benchmark/kernel_kda.py, 100);
+#   then, with whatever time is left, the kernel checks of 2026-12-04's runs
+#   (benchmark/results/gpu_check/): decode captured in a CUDA graph, the GPU-marked tests, the
+#   2,100-sequence grid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmark/results/gpu_check}
@@ -78,10 +77,43 @@ step() {  # step NAME SECONDS CMD...: bounded by its budget and by the script's 
   echo "=== $name: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
 }
 
-step "device" 40 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; \
+# The GPU kit, when carried: SGLang 0.5.23 trimmed, sgl_kernel 0.4.5 and this package, for the
+# serving steps (SGLang's own wheel asks for sgl_kernel >= 0.4.9, which does not link against the
+# image's torch 2.11)
+KIT=${GPU_KIT:-build/gpu-kit/sglang-kda-gpu-kit.tar.xz}
+SERVE_PYTHONPATH=$PLAIN_PYTHONPATH
+if [ -f "$KIT" ]; then
+  rm -rf /tmp/gpu-kit && mkdir -p /tmp/gpu-kit && tar -xJf "$KIT" -C /tmp/gpu-kit \
+    && SERVE_PYTHONPATH="/tmp/gpu-kit/site:$PWD${PLAIN_PYTHONPATH:+:$PLAIN_PYTHONPATH}" \
+    && export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 \
+    && echo "gpu kit: $KIT extracted to /tmp/gpu-kit ($(cat /tmp/gpu-kit/gpu-kit.json | head -c 300))" | tee -a "$LOG"
+fi
+# Serving needs SGLang and this package's plugin entry point (the kit's, or an install's)
+serving_ok() {
+  PYTHONPATH="$SERVE_PYTHONPATH" $PY -c "
+import sglang, importlib.metadata as m
+assert sglang.__version__ == '0.5.23', sglang.__version__
+assert any(e.name == 'sglang_kda' for e in m.entry_points(group='sglang.srt.plugins'))
+" >>"$LOG" 2>&1
+}
+NO_SERVING="skipped: SGLang 0.5.23 with sglang_kda is not importable here (carry the GPU kit, or pip install sglang==0.5.23 and pip install -e .)"
+
+step "device" 30 bash -c "nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; \
   $PY -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__)'; \
   $PY -c 'import fla; print(\"fla\", fla.__version__)' || echo 'fla: not importable'"
 
+if serving_ok; then
+  step "serving tiny" 150 env PYTHONPATH="$SERVE_PYTHONPATH" $PY benchmark/gpu_serve_check.py \
+    --out "$OUT" --deadline-s 120 --ready-timeout 100 --attention-backend triton
+  step "full shape" 270 env PYTHONPATH="$SERVE_PYTHONPATH" $PY benchmark/gpu_full_shape.py \
+    --out "$OUT" --deadline-s 230 --ready-timeout 150
+else
+  echo "=== serving: $NO_SERVING" | tee -a "$LOG"
+fi
+
+step "timing" ${TIMING_S:-100} $PY benchmark/kernel_kda.py --T ${TIMING_T:-8192,32768} --reps 3 --out "$OUT/kernel_kda.csv"
+
+# With the time left: the kernel checks of the 2026-12-04 runs
 step "decode graph" 20 $PY - <<'EOF'
 import torch
 import sglang_kda.kernels.kda.ops as kt
@@ -147,20 +179,6 @@ step "kernel tests compiled" 190 $PY -m pytest -q -rfEs --durations=8 \
   tests/kernels/test_kda_triton.py -m "not gpu" -p no:cacheprovider -o addopts="" \
   --import-mode=importlib
 
-# Serving needs the installed package (its plugin is an entry point), so not the SITE path.
-if PYTHONPATH="$PLAIN_PYTHONPATH" $PY -c "
-import sglang, importlib.metadata as m
-assert sglang.__version__ == '0.5.23', sglang.__version__
-assert any(e.name == 'sglang_kda' for e in m.entry_points(group='sglang.srt.plugins'))
-" >>"$LOG" 2>&1; then
-  step "serving" 240 env PYTHONPATH="$PLAIN_PYTHONPATH" $PY benchmark/gpu_serve_check.py \
-    --out "$OUT" --deadline-s 200 --ready-timeout 150
-else
-  echo "=== serving: skipped: SGLang 0.5.23 with sglang_kda installed is not importable here" \
-    "(pip install sglang==0.5.23 and pip install -e . first; the lent machine has no SGLang)" \
-    | tee -a "$LOG"
-fi
-
 step "grid" 30 $PY - <<'EOF'
 # 2,100 one-token sequences at H = 32: 67,200 (sequence, head) rows, past CUDA's 65,535 limit
 # on grid axis 1 before the rows were tiled (grid_rows); checked against the unbatched calls.
@@ -180,8 +198,6 @@ for i in (0, 1234, N - 1):
     torch.testing.assert_close(ht[i:i + 1], hi, atol=1e-4, rtol=1e-3)
 print(f"grid: {N} sequences x {H} heads launched (rows {N * H}), 3 spot checks equal")
 EOF
-
-step "timing" ${TIMING_S:-120} $PY benchmark/kernel_kda.py --T ${TIMING_T:-8192,32768} --reps 3 --out "$OUT/kernel_kda.csv"
 
 
 echo "gpu_check: done in $(( $(date +%s) - DEADLINE + ${GPU_CHECK_BUDGET_S:-580} ))s; log $LOG" | tee -a "$LOG"

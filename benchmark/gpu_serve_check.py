@@ -6,13 +6,16 @@ starts ``python -m sglang_kda.launch_server`` on the embedded tiny model in bflo
 flags otherwise: the overlap scheduler on, SGLang's ``extra_buffer`` and page size) and sends:
 
 * a 150-token prompt, the same prompt again, a prompt diverging from it at token 100 (off the
-  64-token grid), three twins sharing a 140-token prefix in one request, and a 1,500-token prompt
-  with a prompt diverging from it at token 1,300;
+  64-token grid), three twins sharing a 140-token prefix in one request, a 1,500-token prompt
+  with a prompt diverging from it at token 1,300, and a prompt 700 tokens longer than the
+  server's chunk (``chunked_prefill_size``, 8,192 or more on a GPU) with one diverging from it
+  300 tokens past the chunk;
 * each answer (4 greedy tokens) is compared with the independent float64 forward
   (``tests/reference_forward.py``): a token may differ only where the reference's top two
   log-probs are within ``TIE`` (bf16 serving), chosen log-probs within ``LOGPROB_ATOL``;
 * the cached-token counts must be what the grid predicts (repeat 128, divergence 64, long
-  divergence 1,280; one twin computes the prefix, the others resume from it), the server must
+  divergence 1,280, the chunked divergence the grid point below it; one twin computes the
+  prefix, the others resume from it), the server must
   report the overlap scheduler, ``extra_buffer``, the page size asked for, and an intact cache.
 
 ``--kda-kernel upstream`` (SGLang's own kernel, no grid checkpoints) runs last when time is
@@ -67,13 +70,13 @@ class Checks:
         return ok
 
 
-def _prompts() -> dict[str, list]:
+def _prompts(chunk: int) -> dict[str, list]:
     rng = random.Random(20)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(10, 1000) for _ in range(n)]
 
-    base, prefix, long_ids = ids(150), ids(140), ids(1500)
+    base, prefix, long_ids, chunked = ids(150), ids(140), ids(1500), ids(chunk + 700)
     return {
         "base": base,
         "repeat": base,
@@ -81,10 +84,16 @@ def _prompts() -> dict[str, list]:
         "twins": [prefix + ids(6) for _ in range(3)],
         "long": long_ids,
         "long-diverged": long_ids[:1300] + ids(20),
+        "long-chunked": chunked,
+        "long-chunked-diverged": chunked[: chunk + 300] + ids(20),
     }
 
 
-EXPECTED_CACHED = {"base": 0, "repeat": 128, "diverged": 64, "long": 0, "long-diverged": 1280}
+def expected_cached(what: str, chunk: int) -> int:
+    """What the 64-token grid predicts for each prompt, in the order they are sent."""
+    fixed = {"base": 0, "repeat": 128, "diverged": 64, "long": 0, "long-diverged": 1280}
+    fixed |= {"long-chunked": 0, "long-chunked-diverged": (chunk + 300) // GRID * GRID}
+    return fixed[what]
 
 
 def _generate(server: Server, ids) -> list[dict]:
@@ -131,6 +140,8 @@ def run_config(name: str, flags: list[str], args, ref, memo, check: Checks) -> d
     if args.interpret:  # CPU: auto would pick the torch kernel, and no_buffer without overlap
         extra = ["--kda-kernel", "triton", "--mamba-radix-cache-strategy", "extra_buffer"]
     dtype = [] if args.interpret else ["--dtype", "bfloat16"]
+    if args.attention_backend:
+        dtype += ["--attention-backend", args.attention_backend]
     if "upstream" not in flags:
         # checkpoints on the 64-token grid, which the expected cached counts assume (on CUDA the
         # default spacing is the memory-parity one: 448 tokens for the tiny model in bf16; the
@@ -164,7 +175,9 @@ def run_config(name: str, flags: list[str], args, ref, memo, check: Checks) -> d
         page = info.get("page_size")
         check(want_page is None or page == want_page, f"{name}: page size", page)
         server.flush_cache()
-        for what, ids in _prompts().items():
+        chunk = int(info.get("chunked_prefill_size") or 8192)
+        record["chunked_prefill_size"] = chunk
+        for what, ids in _prompts(chunk).items():
             if args.short and what.startswith("long"):
                 continue
             outs = _generate(server, ids)
@@ -182,7 +195,7 @@ def run_config(name: str, flags: list[str], args, ref, memo, check: Checks) -> d
                 ok = sorted(cached)[0] == 0 and sorted(cached)[-1] == shared
                 check(ok, f"{name}: twins cached", cached)
             else:
-                want = EXPECTED_CACHED[what]
+                want = expected_cached(what, chunk)
                 check(cached == [want], f"{name}: {what} cached tokens", f"{cached} (want {want})")
         if not upstream:
             cache = server.kda_report()["cache"]
@@ -201,7 +214,8 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=240.0)
     parser.add_argument("--interpret", action="store_true", help="dry run on CPU (slow)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--short", action="store_true", help="skip the 1,500-token prompts")
+    parser.add_argument("--short", action="store_true", help="skip the long prompts")
+    parser.add_argument("--attention-backend", default=None, help="passed to the server")
     args = parser.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     t_end = time.time() + args.deadline_s

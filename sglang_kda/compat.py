@@ -304,3 +304,35 @@ def refusals(server_args: Any, config: KDAConfig, on_cuda: bool = True) -> list[
         *_linear_attn_backends(server_args, kda, kernel),
         *_capture_keyed_by_forward(server_args, kda, kernel),
     ]
+
+
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+"""SGLang's choice of radix-tree core: ``rust`` (its default, a bundled extension) or ``python``."""
+
+RUST_TREE_CORE_MIN_TORCH = (2, 13)
+"""The oldest torch this project has run SGLang 0.5.23's bundled Rust tree core with. Under
+torch 2.11.0+cu130 (the H200 image's torch, emulated on CPU with the GPU kit) the extension
+panics on the first checkpoint insert ("Unsupported TypeMeta in ATen" in ``begin_insert``);
+under 2.13 (this project's CPU environment) every server test runs on it."""
+
+
+def tree_core_env(torch_version: str, environ: dict) -> tuple[dict[str, str], str | None]:
+    """The environment that selects SGLang's Python tree core when the running torch is older
+    than :data:`RUST_TREE_CORE_MIN_TORCH`, and a note saying so; nothing when the user chose a
+    core (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` set) or the torch is recent enough."""
+    if environ.get(TREE_CORE_ENV):
+        return {}, None
+    parts = torch_version.split("+")[0].split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return {}, None
+    if major_minor >= RUST_TREE_CORE_MIN_TORCH:
+        return {}, None
+    oldest = ".".join(map(str, RUST_TREE_CORE_MIN_TORCH))
+    note = (
+        f"torch {torch_version} is older than {oldest}, the oldest this project has run SGLang's "
+        f"Rust tree core with (under torch 2.11 it panics on the first insert): using SGLang's "
+        f"Python tree core ({TREE_CORE_ENV}=python; set it to rust to override)"
+    )
+    return {TREE_CORE_ENV: "python"}, note

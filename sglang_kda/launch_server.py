@@ -631,6 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(bind_env)
         if note:
             print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
+    import torch
+
+    from sglang_kda.compat import tree_core_env
+
+    core_env, note = tree_core_env(torch.__version__, os.environ)
+    os.environ.update(core_env)  # before SGLang spawns its ranks, which build the tree
+    if note:
+        print(f"sglang_kda.launch_server: {note}", file=sys.stderr, flush=True)
     try:
         run_server(server_args)
     finally:

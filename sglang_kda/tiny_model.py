@@ -198,6 +198,33 @@ def make_config() -> dict:
     }
 
 
+KIMI_48B_FULL_ATTN_LAYERS = (4, 8, 12, 16, 20, 24, 27)
+"""Kimi-Linear-48B-A3B's MLA layers (1-based, as its config lists them); the rest are KDA."""
+
+
+def kimi_linear_48b_config() -> dict:
+    """Kimi-Linear-48B-A3B's config.json at full shape (the values SGLang's resolution, the
+    launch plan and a dummy-weight serve read): ``tests/test_cuda_launch.py`` plans with it, and
+    ``benchmark/gpu_full_shape.py`` serves it with random weights on one GPU."""
+    cfg = make_config()
+    cfg.update(
+        hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        head_dim=128, intermediate_size=9216, vocab_size=163840, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,
+        num_experts_per_token=8, moe_intermediate_size=1024, torch_dtype="bfloat16",
+        dtype="bfloat16", num_expert_group=1, topk_group=1,
+    )  # fmt: skip
+    full = list(KIMI_48B_FULL_ATTN_LAYERS)
+    cfg["linear_attn_config"] = {
+        "kda_layers": [i for i in range(1, 28) if i not in full],
+        "full_attn_layers": full,
+        "num_heads": 32,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    }
+    return cfg
+
+
 def make_generation_config() -> dict:
     """``generation_config.json``: greedy-friendly defaults; both [EOS] and <|im_end|> stop."""
     return {

@@ -151,3 +151,16 @@ def test_launcher_refuses_before_starting(tiny_model_dir):
     assert "error: --hicache-write-policy write_back is not supported by sglang_kda" in proc.stderr
     assert "--kda-policy stock" in proc.stderr
     assert "Rank 0 scheduler" not in proc.stderr and "Started server" not in proc.stderr
+
+
+def test_the_python_tree_core_is_chosen_under_an_older_torch():
+    """SGLang's bundled Rust tree core panicked under the H200 image's torch 2.11 (a CPU server
+    from the GPU kit); the launcher then selects the Python core unless the user chose."""
+    from sglang_kda.compat import TREE_CORE_ENV, tree_core_env
+
+    env, note = tree_core_env("2.11.0+cu130", {})
+    assert env == {TREE_CORE_ENV: "python"} and "2.11.0+cu130" in note
+    assert tree_core_env("2.11.0", {TREE_CORE_ENV: "rust"}) == ({}, None)
+    for recent in ("2.13.0+cpu", "2.14.1", "3.0.0"):
+        assert tree_core_env(recent, {}) == ({}, None)
+    assert tree_core_env("unknown", {}) == ({}, None)

@@ -20,32 +20,10 @@ from pathlib import Path
 import pytest
 
 from sglang_kda.policy.spacing import capture_bytes, kernel_scratch_bytes, state_sizes
+from sglang_kda.tiny_model import kimi_linear_48b_config
 
 STUB = Path(__file__).with_name("h200_stub.py")
 H200_BYTES = 143771 * 2**20
-FULL = [4, 8, 12, 16, 20, 24, 27]
-
-
-def kimi_linear_48b_config() -> dict:
-    """Kimi-Linear-48B-A3B's config.json (the values SGLang's resolution and the plan read)."""
-    from sglang_kda.tiny_model import make_config
-
-    cfg = make_config()
-    cfg.update(
-        hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
-        head_dim=128, intermediate_size=9216, vocab_size=163840, kv_lora_rank=512,
-        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_experts=256,
-        num_experts_per_token=8, moe_intermediate_size=1024, torch_dtype="bfloat16",
-        dtype="bfloat16", num_expert_group=1, topk_group=1,
-    )  # fmt: skip
-    cfg["linear_attn_config"] = {
-        "kda_layers": [i for i in range(1, 28) if i not in FULL],
-        "full_attn_layers": FULL,
-        "num_heads": 32,
-        "head_dim": 128,
-        "short_conv_kernel_size": 4,
-    }
-    return cfg
 
 
 REFUSED = {

@@ -105,3 +105,20 @@ def test_prepare_for_decode_still_ends_with_the_pinned_track_mask():
         ")",
     ], "patches/schedule_batch.py completes this statement: re-read prepare_for_decode"
     assert sum("pin_memory()" in ln for ln in body) == 1
+
+
+def test_the_track_mask_fallback_knows_both_torch_builds_pinning_errors():
+    """The CPU wheel and the CUDA wheel without a GPU (the GPU kit over the H200 image's torch,
+    started on a CPU machine) raise different messages when asked to pin; both finish the
+    statement without pinning, anything else is raised."""
+    from sglang_kda.patches import schedule_batch as patch
+
+    messages = ["Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU"]
+    messages.append("Cannot access accelerator device when none is available.")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError) as here:
+            torch.zeros(1).pin_memory()
+        messages.append(str(here.value))
+    for message in messages:
+        assert any(m in message for m in patch.NO_PINNING), message
+    assert not any(m in "CUDA out of memory" for m in patch.NO_PINNING)
