@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_kda import harness as H
+import kda_harness as H
 
 OUT = H.REPO / "benchmark" / "results" / "arrivals_beside_long"
 SHORTS = (30, 300, 80, 200, 45, 150)

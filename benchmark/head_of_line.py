@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_kda import harness as H
+import kda_harness as H
 from sglang_kda import steps
 from sglang_kda.numbers import worst_gaps
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 
 from sglang_kda.cpu.mla_attention import flops as mla_flops
-from sglang_kda.harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
+from kda_harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
 from sglang_kda.cpu.mla_route import TRACE_ENV
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as KDA_CHUNK  # the torch KDA kernel's chunk
 

@@ -43,7 +43,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sglang_kda.harness import REPO, Router, Server, tiny_model_dir, write_csv
+from kda_harness import REPO, Router, Server, tiny_model_dir, write_csv
 
 COLUMNS = [
     "policy", "requests", "prompt_tokens", "cached_tokens", "computed_tokens",

@@ -42,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sglang_kda.harness import launch, tiny_model_dir, write_csv
+from kda_harness import launch, tiny_model_dir, write_csv
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def request_rows(label: str, result: dict) -> list[dict]:
             "max_itl_ms": round(max(itl) * 1e3, 3) if itl else None,
         }
         for i, (n_in, n_out, ttft, itl) in enumerate(
-            zip(result["input_lens"], result["output_lens"], result["ttfts"], itls)
+            zip(result["input_lens"], result["output_lens"], result["ttfts"], itls, strict=False)
         )
     ]
 

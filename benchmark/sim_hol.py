@@ -51,8 +51,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sglang_kda import harness
-from sglang_kda.harness import pyplot, save_png
+import kda_harness as harness
+from kda_harness import pyplot, save_png
 from sglang_kda.numbers import GAP_KEYS, gaps_text, percentile, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig, round_budget
 from sglang_kda.policy.cost_model import BatchShape, Slice

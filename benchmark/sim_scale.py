@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_kda import harness
-from sglang_kda.harness import percentile, pyplot, save_png
+import kda_harness as harness
+from kda_harness import percentile, pyplot, save_png
 from sglang_kda.numbers import GAP_KEYS, gaps_text, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.sim import trace as T

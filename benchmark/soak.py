@@ -44,7 +44,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from sglang_kda.harness import (
+from kda_harness import (
     Server,
     launch,
     percentile,

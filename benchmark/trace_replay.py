@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sglang_kda import harness as H
+import kda_harness as H
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
 from sglang_kda.sim import mooncake
 

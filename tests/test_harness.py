@@ -1,4 +1,4 @@
-"""sglang_kda.harness without an SGLang server: percentile, metrics parsing, the streaming client
+"""kda_harness without an SGLang server: percentile, metrics parsing, the streaming client
 (against a local stand-in that streams as SGLang does), CSV files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from sglang_kda.harness import (
+from kda_harness import (
     StreamResult,
     parse_metrics,
     percentile,
@@ -217,7 +217,7 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(monkeypatch, tmp_
     """A port free when picked can be bound by another process first (two servers starting side
     by side: SGLang picks its own internal ports); uvicorn logs it and the process lingers, so
     the harness reads its log and starts again on a fresh port instead of timing out."""
-    from sglang_kda import harness
+    import kda_harness as harness
 
     log = tmp_path / "s.log"
     probe = harness.Server.__new__(harness.Server)

@@ -1,9 +1,11 @@
 """The one benchmark and server-test harness: launch a server, talk to it, summarize, write results.
 
-Benchmarks (``benchmark/*.py``) and the server tests (``tests/server/harness.py``, which adds the
-pytest fixtures and reference checks) both use this module, so a p99 in one report means what it
-means in another, and a server is started, flushed and stopped the same way everywhere. Plain
-module: no pytest, no SGLang import; ``aiohttp`` and ``matplotlib`` are imported only when used.
+Benchmarks (``benchmark/*.py``), ``examples/`` and the server tests (``tests/server/harness.py``,
+which adds the pytest fixtures and reference checks) all use this package, so a p99 in one report
+means what it means in another, and a server is started, flushed and stopped the same way
+everywhere. It sits beside the runtime package ``sglang_kda`` (which never imports it) and is
+installed with it. Plain module: no pytest, no SGLang import; ``aiohttp`` and ``matplotlib`` are
+imported only when used.
 
 API (kept stable; other modules build on it):
 
