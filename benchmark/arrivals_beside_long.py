@@ -30,6 +30,7 @@ from pathlib import Path
 import requests
 
 import kda_harness as H
+from kda_harness.bench import md_table
 
 OUT = H.REPO / "benchmark" / "results" / "arrivals_beside_long"
 SHORTS = (30, 300, 80, 200, 45, 150)
@@ -134,9 +135,7 @@ def main(argv=None) -> int:
         "",
         f"`benchmark/arrivals_beside_long.py {' '.join(argv or [])}`".replace(" `", "`"),
         "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-        *("| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows),
+        md_table(cols, ([r[c] for c in cols] for r in rows)),
     ]
     (args.out / "summary.md").write_text("\n".join(md) + "\n")
     print(f"wrote {args.out}/runs.csv, summary.md")
