@@ -162,6 +162,29 @@ def test_streaming_client_collects_incremental_ids_and_stops_early(fake):
     assert early.n_tokens == 3 and early.output_ids == [5, 6, 7]
 
 
+def test_streaming_client_on_the_openai_route(fake):
+    """``/v1/completions`` chunks: tokens from the usage sent with every chunk, one event per
+    chunk with choices (the closing usage-only chunk is none), cached tokens from the details."""
+    server, url = fake
+
+    def usage(n: int, cached: int = 0) -> dict:
+        details = {"cached_tokens": cached}
+        return {"completion_tokens": n, "prompt_tokens": 10, "prompt_tokens_details": details}
+
+    server.chunks = [
+        json.dumps({"choices": [{"text": "a"}], "usage": usage(1)}),
+        json.dumps({"choices": [{"text": "bc"}], "usage": usage(3)}),
+        json.dumps({"choices": [], "usage": usage(3, 4)}),
+        "[DONE]",
+    ]
+    res = stream_generate_sync(url, list(range(10)), 3, route="openai", model="m")
+    assert [n for _t, n in res.events] == [1, 3]
+    assert (res.prompt_tokens, res.cached_tokens, res.n_tokens) == (10, 4, 3)
+    assert res.ttft >= 0 and len(res.itls()) == 2
+    with pytest.raises(ValueError, match="route"):
+        stream_generate_sync(url, [1], 3, route="openai", sampling={"temperature": 1})
+
+
 def test_streaming_client_raises_on_an_error_chunk(fake):
     server, url = fake
     server.chunks = [_chunk(1, [5]), json.dumps({"error": {"message": "boom"}})]
