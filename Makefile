@@ -79,5 +79,5 @@ clean:
 	rm -rf $(VENV) models build *.egg-info
 
 lint: venv
-	$(BIN)/ruff check --select E,F,W sglang_kda patches kernels tests
-	$(BIN)/ruff format --check sglang_kda patches tests/server
+	$(BIN)/ruff check --select E,F,W sglang_kda kda_harness patches kernels tests
+	$(BIN)/ruff format --check sglang_kda kda_harness patches tests/server

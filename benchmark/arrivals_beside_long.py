@@ -18,7 +18,6 @@ and ``summary.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shlex
 import statistics
@@ -27,40 +26,20 @@ import threading
 import time
 from pathlib import Path
 
-import requests
 
-from sglang_kda import harness as H
+import kda_harness as H
+from kda_harness.bench import md_table
 
 OUT = H.REPO / "benchmark" / "results" / "arrivals_beside_long"
 SHORTS = (30, 300, 80, 200, 45, 150)
 
 
 def stream_completion(url: str, ids: list[int], new: int, t0: float, out: dict, key: str) -> None:
-    """One streamed ``/v1/completions`` request; records arrival, first-token and end times
-    (seconds since ``t0``)."""
-    body = {
-        "model": "tiny",
-        "prompt": ids,
-        "max_tokens": new,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    rec = {"arrival": time.perf_counter() - t0, "first": None, "tokens": 0}
-    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=900) as r:
-        r.raise_for_status()
-        for raw in r.iter_lines():
-            line = raw.decode(errors="replace")
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
-                if rec["first"] is None:
-                    rec["first"] = time.perf_counter() - t0
-                rec["tokens"] += 1
-    rec["end"] = time.perf_counter() - t0
-    rec["ttft"] = rec["first"] - rec["arrival"]
-    out[key] = rec
+    """One streamed ``/v1/completions`` request (the harness's OpenAI route) into ``out[key]``
+    (times in seconds since ``t0``)."""
+    out[key] = H.stream_generate_sync(
+        url, ids, new, t0=t0, timeout=900, route="openai", model="tiny"
+    )
 
 
 def one_run(server, long_len: int, first_s: float, gap_s: float) -> dict:
@@ -83,9 +62,9 @@ def one_run(server, long_len: int, first_s: float, gap_s: float) -> dict:
         threads.append(th)
     for th in threads:
         th.join()
-    ttfts = [res[f"short{i}"]["ttft"] for i in range(len(SHORTS))]
+    ttfts = [res[f"short{i}"].ttft for i in range(len(SHORTS))]
     return {
-        "long_ttft_s": round(res["long"]["ttft"], 3),
+        "long_ttft_s": round(res["long"].ttft, 3),
         "short_ttft_max_s": round(max(ttfts), 3),
         "short_ttft_p50_s": round(statistics.median(ttfts), 3),
     }
@@ -134,9 +113,7 @@ def main(argv=None) -> int:
         "",
         f"`benchmark/arrivals_beside_long.py {' '.join(argv or [])}`".replace(" `", "`"),
         "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-        *("| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows),
+        md_table(cols, ([r[c] for c in cols] for r in rows)),
     ]
     (args.out / "summary.md").write_text("\n".join(md) + "\n")
     print(f"wrote {args.out}/runs.csv, summary.md")

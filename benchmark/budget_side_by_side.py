@@ -45,7 +45,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_kda.harness import (
+from kda_harness import (
     CorpusTokens,
     Server,
     StreamResult,

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_kda.harness import (
+from kda_harness import (
     CorpusTokens,
     Server,
     StreamResult,
@@ -78,6 +78,7 @@ from sglang_kda.harness import (
     tiny_model_dir,
     write_csv,
 )
+from kda_harness.bench import md_table
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
 REPO = Path(__file__).resolve().parents[1]
@@ -384,7 +385,7 @@ def ratio_table(rows: list[dict], base: str, other: str) -> str:
     head = ["workload"]
     for c in RATIO_COLUMNS:
         head += [f"{c} {base}", f"{c} {other}", f"{c} {other}/{base}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table = []
     for w in workloads:
         a, b = by.get((w, base)), by.get((w, other))
         if a is None or b is None:
@@ -394,8 +395,8 @@ def ratio_table(rows: list[dict], base: str, other: str) -> str:
             va, vb = a.get(c), b.get(c)
             ratio = vb / va if va not in (None, 0) and vb is not None else float("nan")
             cells += [fmt(va), fmt(vb), f"{ratio:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        table.append(cells)
+    return md_table(head, table)
 
 
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import requests
 
-from sglang_kda.harness import launch, percentile, stream_generate_sync, tiny_model_dir, write_csv
+from kda_harness import launch, percentile, stream_generate_sync, tiny_model_dir, write_csv
 from sglang_kda.numbers import gaps_text, worst_gaps
 
 HERE = Path(__file__).resolve().parent

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_kda import harness
+import kda_harness as harness
 from sglang_kda.cache import eviction
 from sglang_kda.sim import trace as T
 from sglang_kda.sim import validate as V
@@ -93,7 +93,7 @@ def workloads(variants: dict, only: str = "", integrity: bool = False) -> list[d
                 )
             line = " ".join(
                 f"{r['variant']}={r['prefill_over_prompt']:.3f}/{r['ttft_p99_ms']:.0f}ms"
-                for r in rows[-len(runs):]
+                for r in rows[-len(runs) :]
             )
             print(f"{name:20s} cap={str(cap):5s} {line}", flush=True)
     return rows

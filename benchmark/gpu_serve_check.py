@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_kda.harness import Server, tiny_model_dir
+from kda_harness import Server, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 NEW = 4

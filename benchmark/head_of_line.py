@@ -38,7 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_kda import harness as H
+import kda_harness as H
+from kda_harness.bench import gaps_overlapping
 from sglang_kda import steps
 from sglang_kda.numbers import worst_gaps
 
@@ -134,13 +135,6 @@ def round_costs(trace: Path, before: tuple[float, float], during: tuple[float, f
     }
 
 
-def _gaps_over(r, t0: float, t1: float) -> list[float]:
-    """Inter-token gaps of a stream that overlap ``[t0, t1]`` (a decode stalled for the whole
-    prefill is one gap that starts before its end and ends after it)."""
-    times = r.token_times
-    return [b - a for a, b in zip(times, times[1:], strict=False) if b > t0 and a < t1]
-
-
 def run_decode(server, prompt_len: int, streams: int, stream_out: int):
     """Decode streams, then a long prompt twice: with the server's default deadline (decode ITL
     p99 during its prefill, its TTFT against alone) and with a deadline of 1.5x alone."""
@@ -171,7 +165,9 @@ def run_decode(server, prompt_len: int, streams: int, stream_out: int):
             th.join()
         long = res["long"]
         t_start, t_end = long.arrival, long.arrival + long.ttft
-        per_stream = [_gaps_over(res[f"d{i}"], t_start, t_end) for i in range(streams)]
+        per_stream = [
+            gaps_overlapping(res[f"d{i}"].token_times, [(t_start, t_end)]) for i in range(streams)
+        ]
         during = [x for g in per_stream for x in g]
         out[f"decode_itl_p99_during{tag}_ms"] = H.percentile(during, 99) * 1e3
         # each stream's worst gap during the prefill (its max over streams is the gap max below)

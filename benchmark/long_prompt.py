@@ -30,14 +30,14 @@ import argparse
 import json
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
 import requests
 
 from sglang_kda.cpu.mla_attention import flops as mla_flops
-from sglang_kda.harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
+from kda_harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
+from kda_harness.bench import RssSampler, find_scheduler
 from sglang_kda.cpu.mla_route import TRACE_ENV
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as KDA_CHUNK  # the torch KDA kernel's chunk
 
@@ -103,43 +103,6 @@ def time_kda(chunks: list[int], shapes: dict, reps: int = 3) -> list[dict]:
         )
         print(f"[kda] chunk {c}: {rows[-1]['kda_wall_s'] * 1e3:.1f} ms (3 layers)", flush=True)
     return rows
-
-
-def scheduler_process(pid: int):
-    import psutil
-
-    for child in psutil.Process(pid).children(recursive=True):
-        try:
-            if "scheduler" in " ".join(child.cmdline()) or "scheduler" in child.name():
-                return child
-        except psutil.Error:
-            continue
-    return None
-
-
-class RSSSampler(threading.Thread):
-    def __init__(self, proc, period: float = 0.2) -> None:
-        super().__init__(daemon=True)
-        self.proc, self.period = proc, period
-        self.samples: list[tuple[float, float]] = []
-        self.label = "idle"
-        self.labels: list[str] = []
-        self._stop = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.samples.append((time.time(), self.proc.memory_info().rss / 2**20))
-                self.labels.append(self.label)
-            except Exception:
-                return
-            time.sleep(self.period)
-
-    def peak_since(self, t0: float) -> float:
-        return max((r for t, r in self.samples if t >= t0), default=float("nan"))
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def read_trace(path: Path, t0: float, t1: float) -> list[dict]:
@@ -219,8 +182,9 @@ def run_server_case(args, model_dir: Path, policy: str, chunk: int, shapes: dict
     chunk_rows, prompt_rows = [], []
     sampler = None
     try:
-        sched = scheduler_process(server.proc.pid)
-        sampler = RSSSampler(sched)
+        sched = find_scheduler(server.proc.pid)
+        sampler = RssSampler(sched, 0.2, clock=time.time)
+        sampler.label = "idle"
         sampler.start()
         time.sleep(2.0)
         idle = sched.memory_info().rss / 2**20

@@ -35,6 +35,8 @@ from sglang_kda.sim import costs  # noqa: E402
 from sglang_kda.sim import trace as T  # noqa: E402
 from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
 
+from kda_harness.bench import md_table  # noqa: E402
+
 OUT = REPO / "benchmark" / "results" / "round_bound"
 PAGE = 64
 
@@ -122,8 +124,7 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     cols = list(rows[0])
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    md = [md_table(cols, ([r[c] for c in cols] for r in rows))]
     (OUT / "round_bound.md").write_text(
         "# Bounded lone-prefill rounds (simulator)\n\n`"
         + " ".join(["benchmark/round_bound.py", *(argv or sys.argv[1:])])

@@ -43,7 +43,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sglang_kda.harness import REPO, Router, Server, tiny_model_dir, write_csv
+from kda_harness import REPO, Router, Server, tiny_model_dir, write_csv
+from kda_harness.bench import md_table
 
 COLUMNS = [
     "policy", "requests", "prompt_tokens", "cached_tokens", "computed_tokens",
@@ -128,9 +129,7 @@ def run_policy(policy: str, workers: list[Server], cfg: argparse.Namespace, tmp:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return md_table(COLUMNS, ([r[c] for c in COLUMNS] for r in rows))
 
 
 def main() -> int:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kda_harness.bench import md_table
+
 REPO = Path(__file__).resolve().parents[1]
 RATIOS = (
     ("median_ttft_ms", "TTFT p50"),
@@ -123,12 +125,18 @@ def main() -> int:
         "",
         "Command: `benchmark/saturation.py " + " ".join(sys.argv[1:]) + "`",
         "",
-        "| case | pair | " + " | ".join(label for _, label in RATIOS) + " |",
-        "|---|---|" + "---|" * len(RATIOS),
+        md_table(
+            ["case", "pair", *(label for _, label in RATIOS)],
+            (
+                [
+                    r["case"],
+                    r["pair"],
+                    *("" if r[lab] is None else f"{r[lab]:.3f}" for _, lab in RATIOS),
+                ]
+                for r in summary
+            ),
+        ),
     ]
-    for r in summary:
-        cells = " | ".join("" if r[lab] is None else f"{r[lab]:.3f}" for _, lab in RATIOS)
-        lines.append(f"| {r['case']} | {r['pair']} | {cells} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     plot(summary, out / "summary.png")
     print("\n".join(lines))

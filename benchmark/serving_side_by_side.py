@@ -42,7 +42,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sglang_kda.harness import launch, tiny_model_dir, write_csv
+from kda_harness import launch, tiny_model_dir, write_csv
+from kda_harness.bench import md_table
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def request_rows(label: str, result: dict) -> list[dict]:
             "max_itl_ms": round(max(itl) * 1e3, 3) if itl else None,
         }
         for i, (n_in, n_out, ttft, itl) in enumerate(
-            zip(result["input_lens"], result["output_lens"], result["ttfts"], itls)
+            zip(result["input_lens"], result["output_lens"], result["ttfts"], itls, strict=False)
         )
     ]
 
@@ -168,14 +169,13 @@ def main() -> int:
                   list(per_request[0]))  # fmt: skip
     print(f"\nwrote {out_csv} (server logs in {tmp})\n")
     names = list(results)
-    print("| metric | " + " | ".join(names) + " | ratio " + "/".join(reversed(names)) + " |")
-    print("|---|" + "---|" * (len(names) + 1))
+    table = []
     for m in METRICS:
         vals = [results[n].get(m) for n in names]
         ok = len(vals) == 2 and None not in vals and vals[0]  # 2 runs only
         ratio = vals[-1] / vals[0] if ok else float("nan")
-        cells = " | ".join("" if v is None else f"{v:.2f}" for v in vals)
-        print(f"| {m} | {cells} | {ratio:.3f} |")
+        table.append([m, *("" if v is None else f"{v:.2f}" for v in vals), f"{ratio:.3f}"])
+    print(md_table(["metric", *names, "ratio " + "/".join(reversed(names))], table))
     return 0
 
 

@@ -51,8 +51,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sglang_kda import harness
-from sglang_kda.harness import pyplot, save_png
+import kda_harness as harness
+from kda_harness import pyplot, save_png
+from kda_harness.bench import gaps_overlapping, md_table
 from sglang_kda.numbers import GAP_KEYS, gaps_text, percentile, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig, round_budget
 from sglang_kda.policy.cost_model import BatchShape, Slice
@@ -273,25 +274,13 @@ def gaps_overlapping_each(
 ) -> list[list[float]]:
     """Per request of ``reqs`` (one list each, empty for none): its inter-token gaps that
     overlap one of ``windows`` (whole gaps: the wait a client saw), plus a still-open gap (last
-    token to ``end``) of a request not done."""
-    out = []
-    for r in reqs:
-        ts = list(r.token_times)
-        if not ts:
-            out.append([])
-            continue
-        if r.state != "done" and ts[-1] < end:
-            ts.append(end)
-        hit = set()
-        for a, b in windows:
-            lo = max(0, bisect.bisect_right(ts, a) - 1)  # the gap that contains a
-            hi = bisect.bisect_left(ts, b)  # the first token at or after b
-            hit.update(range(lo, min(hi, len(ts) - 1)))
-        out.append([ts[i + 1] - ts[i] for i in sorted(hit)])
-    return out
+    token to ``end``) of a request not done (:func:`kda_harness.bench.gaps_overlapping`)."""
+    return [
+        gaps_overlapping(r.token_times, windows, None if r.state == "done" else end) for r in reqs
+    ]
 
 
-def gaps_overlapping(
+def gaps_overlapping_pooled(
     reqs: Sequence[SimReq], windows: Sequence[tuple[float, float]], end: float
 ) -> list[float]:
     """:func:`gaps_overlapping_each` pooled over the requests."""
@@ -323,7 +312,7 @@ def measure_seed(res, wl: Workload) -> dict:
     wins = windows_of(longs, end)
     during = [r for r in shorts if any(a <= r.arrival < b for a, b in wins)]
     others = [r for r in res.requests if r.rid not in set(wl.longs)]
-    itl_long = gaps_overlapping(others, wins, end)
+    itl_long = gaps_overlapping_pooled(others, wins, end)
     warm = min(r.arrival for r in longs) - 5.0
     per_request = [
         [y - x for x, y in zip(r.token_times, r.token_times[1:], strict=False) if y > warm]
@@ -403,23 +392,21 @@ SEED_COLUMNS = (
 )
 
 
-def md_table(rows: list[dict], columns) -> str:
-    head = "| " + " | ".join(c[1] for c in columns) + " |"
-    sep = "|" + "|".join("---" for _ in columns) + "|"
-    lines = [head, sep]
-    for r in rows:
-        cells = []
-        for key, _, fmt in columns:
-            v = r.get(key, "")
-            if callable(fmt):  # a cell of several figures of the row
-                cells.append(fmt(r))
-                continue
-            try:
-                cells.append(fmt.format(v))
-            except (ValueError, TypeError):
-                cells.append(str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def columns_table(rows: list[dict], columns) -> str:
+    """A markdown table of ``rows``: per column ``(key, header, format)``, the format a
+    ``str.format`` pattern for the value (``str`` of it when that fails) or a callable of the
+    row."""
+
+    def cell(r: dict, key, fmt) -> str:
+        if callable(fmt):  # a cell of several figures of the row
+            return fmt(r)
+        v = r.get(key, "")
+        try:
+            return fmt.format(v)
+        except (ValueError, TypeError):
+            return str(v)
+
+    return md_table([c[1] for c in columns], ([cell(r, k, f) for k, _, f in columns] for r in rows))
 
 
 def exp_seed(args) -> None:
@@ -466,7 +453,7 @@ def exp_seed(args) -> None:
             f"that overlaps one; run ITL p99 over all gaps from 5 s before the first long "
             f"prompt, and beside it each request's worst gap over those (p50/p90/max over "
             f"requests: a user's worst stall). Deadlines: the server's default (10 s + 1 s per "
-            f"1K tokens), checked for every configuration.\n\n{md_table(rows, SEED_COLUMNS)}\n"
+            f"1K tokens), checked for every configuration.\n\n{columns_table(rows, SEED_COLUMNS)}\n"
         )
     plot_seed(all_rows)
     wall = time.monotonic() - t_all
@@ -632,7 +619,7 @@ def exp_curve(args) -> None:
         "Round budget: the ITL target, or factor x the predicted decode step at the streams' "
         "contexts when the prompt arrives, at least the floor. "
         f"Command: `benchmark/sim_hol.py curve`; runtime {wall:.0f} s on one core.\n\n"
-        f"{md_table(rows, cols)}\n\n" + "\n".join(knee) + "\n",
+        f"{columns_table(rows, cols)}\n\n" + "\n".join(knee) + "\n",
     )
     print(f"[curve] done in {wall:.0f} s", flush=True)
 
@@ -910,7 +897,7 @@ def exp_concurrent(args) -> None:
         "the measured throughput (0.218 us per chunk-head, cuLA BENCHMARK_H200.md; not in "
         "`predict`). "
         f"Command: `benchmark/sim_hol.py concurrent`; runtime {wall:.1f} s.\n\n"
-        f"{md_table([r for r in rows if r['pricing'] == 'predict()'], cols)}\n\n"
+        f"{columns_table([r for r in rows if r['pricing'] == 'predict()'], cols)}\n\n"
         "The throughput-aware pricing gives the same numbers (all rows in `concurrent.csv`): at "
         "TP8 a GPU holds 4 of the 32 KDA heads, so two sequences are 8 chunk-heads per step, "
         "8 x 0.218 = 1.75 us, under the 1.9 us chain; it would bind from three sequences at "
@@ -919,9 +906,9 @@ def exp_concurrent(args) -> None:
         "analytic one: the round that finishes A also carries B's first slice (SGLang fills the "
         "chunk budget with the next waiting request).\n\n"
         "A round's cost, one slice vs two (8192 tokens each):\n\n"
-        f"{md_table(parts, pcols)}\n\nPrefill tokens a round of a fixed time budget (the "
+        f"{columns_table(parts, pcols)}\n\nPrefill tokens a round of a fixed time budget (the "
         "serial budget's regime) takes with one slice or two:\n\n"
-        f"{md_table(budget_rows, bcols)}\n\nTogether against one after the other "
+        f"{columns_table(budget_rows, bcols)}\n\nTogether against one after the other "
         "(`predict()` pricing):\n\n" + "\n".join(verdict) + "\n\n"
         "Where the numbers come from (`sglang_kda/sim/costs.py`, `../shared/notes/anchors.md`): "
         "the chain, 1.9 us per 64-token chunk step and KDA layer (flashinfer PR #3481, GDN "

@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_kda import harness
-from sglang_kda.harness import pyplot, save_png
+import kda_harness as harness
+from kda_harness import pyplot, save_png
 from sglang_kda.policy import spacing
 from sglang_kda.config import KDAConfig
 from sglang_kda.sim import engine

@@ -42,8 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_kda import harness
-from sglang_kda.harness import percentile, pyplot, save_png
+import kda_harness as harness
+from kda_harness import percentile, pyplot, save_png
+from kda_harness.bench import gaps_until
 from sglang_kda.numbers import GAP_KEYS, gaps_text, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.sim import trace as T
@@ -94,12 +95,9 @@ def slice_run(streams: int, cfg: SimConfig, model, label: dict) -> dict:
         if r.rid == "long":
             continue
         ts = r.token_times
-        inside = [y - x for x, y in zip(ts, ts[1:], strict=False) if a < y <= b]
-        if not inside:
+        if not any(a < y <= b for y in ts[1:]):
             starved += 1  # no token while the long prompt prefilled (or not started yet)
-        last = ts[-1] if ts else a
-        if last < b:
-            inside.append(b - max(last, a) if last >= a else b - last)
+        inside = gaps_until(ts, a, b)
         itls += inside
         per_stream.append(inside)
     row = {

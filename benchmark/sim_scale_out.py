@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim_mooncake as smc  # noqa: E402 - benchmark/sim_mooncake.py: the kda config
 
-from sglang_kda import harness  # noqa: E402
+import kda_harness as harness  # noqa: E402
 from sglang_kda.config import KDAConfig  # noqa: E402
-from sglang_kda.harness import pyplot, save_png  # noqa: E402
+from kda_harness import pyplot, save_png  # noqa: E402
 from sglang_kda.sim import costs, engine  # noqa: E402
 from sglang_kda.sim import mooncake as mc  # noqa: E402
 from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402

@@ -66,7 +66,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_kda import harness
+import kda_harness as harness
 from sglang_kda.sim import trace as T
 from sglang_kda.sim import validate as V
 from sglang_kda.sim.calibrate import (

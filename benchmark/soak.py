@@ -41,10 +41,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import requests
 
-from sglang_kda.harness import (
+from kda_harness import (
     Server,
     launch,
     percentile,
@@ -54,11 +53,11 @@ from sglang_kda.harness import (
     tiny_model_dir,
     write_csv,
 )
+from kda_harness.bench import RssSampler, find_scheduler, md_table
 
 REPO = Path(__file__).resolve().parents[1]
 
 FIRST_ID = 16  # the tiny model's special tokens sit below this
-MIB = 1 << 20
 
 
 @dataclass
@@ -164,51 +163,6 @@ class Traffic:
         return results
 
 
-class RssSampler(threading.Thread):
-    """Samples the scheduler process's RSS (MiB) every ``interval`` seconds."""
-
-    def __init__(self, launcher_pid: int, report_pid: int | None, interval: float) -> None:
-        super().__init__(daemon=True)
-        self.proc = find_scheduler(launcher_pid, report_pid)
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []  # (monotonic time, MiB)
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            try:
-                self.samples.append((time.monotonic(), self.proc.memory_info().rss / MIB))
-            except psutil.Error:
-                return  # the scheduler died; the traffic will show errors
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-
-def find_scheduler(launcher_pid: int, report_pid: int | None) -> psutil.Process:
-    children = psutil.Process(launcher_pid).children(recursive=True)
-    named = []
-    for c in children:
-        try:
-            title = " ".join(c.cmdline()) or c.name()
-        except psutil.Error:
-            continue
-        if title.startswith("sglang::scheduler"):
-            named.append(c)
-    if report_pid is not None:
-        for c in children:
-            if c.pid == report_pid:
-                if named and c not in named:
-                    raise RuntimeError(f"scheduler pid {report_pid} is not sglang::scheduler")
-                return c
-        raise RuntimeError(f"scheduler pid {report_pid} is not a child of {launcher_pid}")
-    if len(named) != 1:
-        raise RuntimeError(f"expected one sglang::scheduler child, found {named}")
-    return named[0]
-
-
 def flush_and_read_idle(server: Server, timeout_s: float = 300) -> dict:
     """Waits for the scheduler to drain, flushes the cache (retried while it refuses) and returns
     the occupancy."""
@@ -280,7 +234,7 @@ def soak_policy(policy: str, model: str, args: argparse.Namespace, logdir: Path)
             conc, ramp = find_saturation(traffic, args, policy)
             idle = flush_and_read_idle(server)
         print(f"[{policy}] soaking {args.minutes} min at concurrency {conc}", flush=True)
-        sampler = RssSampler(server.proc.pid, report["pid"], args.rss_interval)
+        sampler = RssSampler(find_scheduler(server.proc.pid, report["pid"]), args.rss_interval)
         sampler.start()
         t0 = time.monotonic()
         results = traffic.run(conc, args.minutes * 60, args.abandon_fraction)
@@ -418,10 +372,9 @@ def main() -> int:
 
     print(f"\nwrote {args.out_dir} (server logs in {logdir})\n")
     names = [r["policy"] for r in results]
-    cols = [f"{n} served | {n} err | {n} p50 ms | {n} p99 ms | {n} RSS MiB" for n in names]
-    print("| window (s) | " + " | ".join(cols) + " |")
-    print("|---|" + "---|" * (5 * len(names)))
+    cols = [f"{n} {c}" for n in names for c in ("served", "err", "p50 ms", "p99 ms", "RSS MiB")]
     n_win = max((len(r.get("windows", [])) for r in results), default=0)
+    table = []
     for i in range(n_win):
         cells = []
         for r in results:
@@ -432,7 +385,8 @@ def main() -> int:
             else:
                 cells += ["", "", "", "", ""]
         start = i * args.window_s
-        print(f"| {start:.0f}-{start + args.window_s:.0f} | " + " | ".join(map(str, cells)) + " |")
+        table.append([f"{start:.0f}-{start + args.window_s:.0f}", *cells])
+    print(md_table(["window (s)", *cols], table))
     print()
     ok = True
     parts = []

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sglang_kda import harness as H
+import kda_harness as H
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
 from sglang_kda.sim import mooncake
 
@@ -278,56 +278,6 @@ def cache_delta(before: dict, after: dict) -> dict:
     return out
 
 
-# --- The client ----------------------------------------------------------------------------------
-
-
-async def stream_openai(
-    session, url: str, model: str, ids: Sequence[int], max_new: int, *, t0: float, result
-) -> H.StreamResult:
-    """One streamed ``/v1/completions`` with a token-id prompt, folded into ``result`` as the
-    native client does: one event per chunk with the completion tokens so far (from the usage the
-    server sends with every chunk), cached tokens from ``prompt_tokens_details`` (given by SGLang
-    with ``--enable-cache-report``)."""
-    res = result
-    res.arrival = time.perf_counter() - t0
-    payload = {
-        "model": model,
-        "prompt": list(ids),
-        "max_tokens": max_new,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    usage: dict = {}
-    async with session.post(url + "/v1/completions", json=payload) as resp:
-        if resp.status != 200:
-            raise RuntimeError(
-                f"/v1/completions answered {resp.status}: {(await resp.text())[:300]}"
-            )
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
-            usage = chunk.get("usage") or usage
-            if not chunk.get("choices"):
-                continue  # the closing usage-only chunk
-            seen = res.n_tokens
-            n = int(usage.get("completion_tokens", seen + 1)) if usage else seen + 1
-            res.events.append((time.perf_counter() - t0, max(seen, n)))
-    res.end = time.perf_counter() - t0
-    res.prompt_tokens = int(usage.get("prompt_tokens", len(ids)))
-    details = usage.get("prompt_tokens_details") or {}
-    res.cached_tokens = int(details.get("cached_tokens") or 0)
-    return res
-
-
 async def replay(
     url: str,
     plan: Sequence[Planned],
@@ -356,7 +306,16 @@ async def replay(
             if route == "native":
                 await H.stream_generate(session, url, p.ids, p.max_new, t0=t0, result=results[i])
             else:
-                await stream_openai(session, url, model, p.ids, p.max_new, t0=t0, result=results[i])
+                await H.stream_generate(
+                    session,
+                    url,
+                    p.ids,
+                    p.max_new,
+                    t0=t0,
+                    result=results[i],
+                    route="openai",
+                    model=model,
+                )
             count["done"] += 1
         except asyncio.CancelledError:
             errors[i] = "cancelled"

@@ -28,7 +28,7 @@ import requests
 
 import sglang_kda  # noqa: F401  (CPU import guards, before sglang is imported)
 import sglang as sgl  # noqa: E402, I001
-from sglang_kda.harness import read_metrics  # /metrics as {name: value}; {} without metrics
+from kda_harness import read_metrics  # /metrics as {name: value}; {} without metrics
 
 
 def shared_context(paragraphs: int = 8) -> str:

@@ -1,4 +1,4 @@
-"""sglang_kda.harness without an SGLang server: percentile, metrics parsing, the streaming client
+"""kda_harness without an SGLang server: percentile, metrics parsing, the streaming client
 (against a local stand-in that streams as SGLang does), CSV files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from sglang_kda.harness import (
+from kda_harness import (
     StreamResult,
     parse_metrics,
     percentile,
@@ -162,6 +162,29 @@ def test_streaming_client_collects_incremental_ids_and_stops_early(fake):
     assert early.n_tokens == 3 and early.output_ids == [5, 6, 7]
 
 
+def test_streaming_client_on_the_openai_route(fake):
+    """``/v1/completions`` chunks: tokens from the usage sent with every chunk, one event per
+    chunk with choices (the closing usage-only chunk is none), cached tokens from the details."""
+    server, url = fake
+
+    def usage(n: int, cached: int = 0) -> dict:
+        details = {"cached_tokens": cached}
+        return {"completion_tokens": n, "prompt_tokens": 10, "prompt_tokens_details": details}
+
+    server.chunks = [
+        json.dumps({"choices": [{"text": "a"}], "usage": usage(1)}),
+        json.dumps({"choices": [{"text": "bc"}], "usage": usage(3)}),
+        json.dumps({"choices": [], "usage": usage(3, 4)}),
+        "[DONE]",
+    ]
+    res = stream_generate_sync(url, list(range(10)), 3, route="openai", model="m")
+    assert [n for _t, n in res.events] == [1, 3]
+    assert (res.prompt_tokens, res.cached_tokens, res.n_tokens) == (10, 4, 3)
+    assert res.ttft >= 0 and len(res.itls()) == 2
+    with pytest.raises(ValueError, match="route"):
+        stream_generate_sync(url, [1], 3, route="openai", sampling={"temperature": 1})
+
+
 def test_streaming_client_raises_on_an_error_chunk(fake):
     server, url = fake
     server.chunks = [_chunk(1, [5]), json.dumps({"error": {"message": "boom"}})]
@@ -217,7 +240,7 @@ def test_a_server_whose_port_was_taken_starts_again_on_another(monkeypatch, tmp_
     """A port free when picked can be bound by another process first (two servers starting side
     by side: SGLang picks its own internal ports); uvicorn logs it and the process lingers, so
     the harness reads its log and starts again on a fresh port instead of timing out."""
-    from sglang_kda import harness
+    import kda_harness as harness
 
     log = tmp_path / "s.log"
     probe = harness.Server.__new__(harness.Server)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from sglang_kda.harness import StreamResult
+from kda_harness import StreamResult
 
 
 @pytest.fixture(scope="module")

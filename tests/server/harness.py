@@ -1,6 +1,6 @@
 """The pytest side of the server tests: test constants, launching on the tiny model, and the
 checks against the reference forward. Starting, flushing and reading a server is
-:mod:`sglang_kda.harness` (shared with the benchmarks)."""
+:mod:`kda_harness` (shared with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_kda.harness import Server
+from kda_harness import Server
 
 START_TIMEOUT_S = 420
 # A test server is stopped by SIGTERM to its process group and SIGKILL this long after: SGLang's

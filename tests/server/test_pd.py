@@ -61,8 +61,8 @@ from harness import (
     generate,
 )
 
-import sglang_kda.harness as sk_harness
-from sglang_kda.harness import Router, Server
+import kda_harness as sk_harness
+from kda_harness import Router, Server
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
 pytestmark = pytest.mark.server
@@ -299,7 +299,7 @@ def _wait_for_prefill_batches(prefill: Server, log_start: int, n: int) -> None:
 
 
 def _long_prompt(tiny_model_dir, seed: int) -> list[int]:
-    from sglang_kda.harness import CorpusTokens
+    from kda_harness import CorpusTokens
 
     return CorpusTokens(tiny_model_dir, seed=seed).take(LONG_PROMPT)
 

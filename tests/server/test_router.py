@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from harness import START_TIMEOUT_S, STOP_GRACE_S
 
-from sglang_kda.harness import Router, Server, StreamResult, stream_generate_sync
+from kda_harness import Router, Server, StreamResult, stream_generate_sync
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
 pytestmark = pytest.mark.server

@@ -1,7 +1,7 @@
 """The GPU code path on CPU: a server whose KDA layers run sglang_kda's Triton kernel.
 
 The server starts with ``--kda-kernel triton`` and ``TRITON_INTERPRET=1`` in its environment
-(passed explicitly: :class:`sglang_kda.harness.Server` scrubs an inherited one), so every KDA
+(passed explicitly: :class:`kda_harness.Server` scrubs an inherited one), so every KDA
 extend and decode of the tiny model runs ``kernels/kda/`` in Triton's interpreter, with
 the same adapter, capture and checkpoint insertion a CUDA server runs. It runs in the state
 cache configurations of :data:`CONFIGS`: what GPUs serve with (``extra_buffer``: the overlap
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from harness import CHUNK, LOGPROB_ATOL, START_TIMEOUT_S, STOP_GRACE_S, reference_greedy
 
-from sglang_kda.harness import Server
+from kda_harness import Server
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as GRID
 
 pytestmark = pytest.mark.server

@@ -1,9 +1,11 @@
 """The one benchmark and server-test harness: launch a server, talk to it, summarize, write results.
 
-Benchmarks (``benchmark/*.py``) and the server tests (``tests/server/harness.py``, which adds the
-pytest fixtures and reference checks) both use this module, so a p99 in one report means what it
-means in another, and a server is started, flushed and stopped the same way everywhere. Plain
-module: no pytest, no SGLang import; ``aiohttp`` and ``matplotlib`` are imported only when used.
+Benchmarks (``benchmark/*.py``), ``examples/`` and the server tests (``tests/server/harness.py``,
+which adds the pytest fixtures and reference checks) all use this package, so a p99 in one report
+means what it means in another, and a server is started, flushed and stopped the same way
+everywhere. It sits beside the runtime package ``sglang_kda`` (which never imports it) and is
+installed with it. Plain module: no pytest, no SGLang import; ``aiohttp`` and ``matplotlib`` are
+imported only when used.
 
 API (kept stable; other modules build on it):
 
@@ -37,10 +39,11 @@ Streaming client (one definition of TTFT and ITL)
         per streamed chunk, ``end``, ``output_ids``, ``prompt_tokens``, ``cached_tokens``;
         ``ttft``, ``latency``, ``n_tokens``, ``token_times`` and ``itls(t0, t1)``.
     ``async stream_generate(session, url, input_ids, max_new_tokens, *, t0=0.0, sampling=None,
-        result=None) -> StreamResult`` (an ``aiohttp`` session), and the blocking
-        ``stream_generate_sync(url, input_ids, max_new_tokens, *, t0=0.0, sampling=None,
-        result=None, stop=None, stop_after_events=None, timeout=600)`` (``requests``; for
-        threads; ``stop`` ends it early).
+        result=None, route="native", model="default") -> StreamResult`` (an ``aiohttp``
+        session), and the blocking ``stream_generate_sync(url, input_ids, max_new_tokens, *,
+        t0=0.0, sampling=None, result=None, stop=None, stop_after_events=None, timeout=600,
+        route="native", model="default")`` (``requests``; for threads; ``stop`` ends it early).
+        ``route="openai"``: ``/v1/completions`` with the token-id prompt instead of ``/generate``.
     All times are ``time.perf_counter()`` seconds minus ``t0``.
 
 Numbers and files
@@ -371,7 +374,7 @@ def read_metrics(url: str, timeout: float = 30) -> dict[str, float]:
 
 @dataclass
 class StreamResult:
-    """One streamed ``/generate`` request, as the client saw it.
+    """One streamed ``/generate`` (or ``/v1/completions``) request, as the client saw it.
 
     ``events`` holds one ``(time, completion tokens so far)`` per streamed chunk. The figures
     follow SGLang's own serving benchmark (``sglang.benchmark.serving``), so they compare with its
@@ -471,6 +474,70 @@ class _Chunks:
         return r
 
 
+def _openai_payload(input_ids: Sequence[int], max_new_tokens: int, model: str) -> dict:
+    return {
+        "model": model,
+        "prompt": list(input_ids),
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+class _OpenAIChunks:
+    """Folds a streamed ``/v1/completions`` (token-id prompt) into a :class:`StreamResult`: one
+    event per chunk with choices, the completion tokens so far from the usage SGLang sends with
+    every chunk, cached tokens from ``prompt_tokens_details`` (``--enable-cache-report``)."""
+
+    def __init__(self, result: StreamResult, n_prompt: int) -> None:
+        self.result, self.n_prompt = result, n_prompt
+        self.usage: dict = {}
+
+    def feed(self, line: str, now: float) -> bool:
+        line = line.strip()
+        if not line.startswith("data:"):
+            return True
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return False
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+        self.usage = chunk.get("usage") or self.usage
+        if not chunk.get("choices"):
+            return True  # the closing usage-only chunk
+        seen = self.result.n_tokens
+        n = int(self.usage.get("completion_tokens", seen + 1)) if self.usage else seen + 1
+        self.result.events.append((now, max(seen, n)))
+        return True
+
+    def finish(self, now: float) -> StreamResult:
+        r = self.result
+        r.end = now
+        r.prompt_tokens = int(self.usage.get("prompt_tokens", self.n_prompt))
+        details = self.usage.get("prompt_tokens_details") or {}
+        r.cached_tokens = int(details.get("cached_tokens") or 0)
+        return r
+
+
+def _request(
+    route: str, input_ids: Sequence[int], max_new_tokens: int, sampling, model: str, res
+) -> tuple[str, dict, Any]:
+    """The path, payload and chunk folder of one streamed request on ``route``."""
+    if route == "native":
+        return (
+            "/generate",
+            _payload(input_ids, max_new_tokens, sampling),
+            _Chunks(res, len(input_ids)),
+        )
+    if route == "openai" and not sampling:
+        payload = _openai_payload(input_ids, max_new_tokens, model)
+        return "/v1/completions", payload, _OpenAIChunks(res, len(input_ids))
+    raise ValueError(f"route {route!r} (sampling={sampling!r}): native, or openai without sampling")
+
+
 async def stream_generate(
     session: Any,
     url: str,
@@ -480,18 +547,20 @@ async def stream_generate(
     t0: float = 0.0,
     sampling: Optional[dict] = None,
     result: Optional[StreamResult] = None,
+    route: str = "native",
+    model: str = "default",
 ) -> StreamResult:
     """One greedy streamed ``/generate`` (``ignore_eos``; ``sampling`` adds or overrides
-    sampling parameters) on an ``aiohttp.ClientSession``. Fills ``result`` (a new one by
-    default) as chunks arrive, so a caller keeps what came before an error. Raises
-    :class:`RuntimeError` on a non-200 answer or an error chunk."""
+    sampling parameters) on an ``aiohttp.ClientSession``, or with ``route="openai"`` one
+    ``/v1/completions`` with the token-id prompt (``model`` names it; no ``sampling``). Fills
+    ``result`` (a new one by default) as chunks arrive, so a caller keeps what came before an
+    error. Raises :class:`RuntimeError` on a non-200 answer or an error chunk."""
     res = result if result is not None else StreamResult()
-    chunks = _Chunks(res, len(input_ids))
+    path, payload, chunks = _request(route, input_ids, max_new_tokens, sampling, model, res)
     res.arrival = time.perf_counter() - t0
-    payload = _payload(input_ids, max_new_tokens, sampling)
-    async with session.post(url + "/generate", json=payload) as resp:
+    async with session.post(url + path, json=payload) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"/generate answered {resp.status}: {(await resp.text())[:300]}")
+            raise RuntimeError(f"{path} answered {resp.status}: {(await resp.text())[:300]}")
         async for raw in resp.content:
             if not chunks.feed(raw.decode(), time.perf_counter() - t0):
                 break
@@ -509,17 +578,18 @@ def stream_generate_sync(
     stop: Optional[threading.Event] = None,
     stop_after_events: Optional[int] = None,
     timeout: float = 600,
+    route: str = "native",
+    model: str = "default",
 ) -> StreamResult:
     """:func:`stream_generate` with ``requests``, for threads. Returns early (closing the
     connection, which aborts the request on the server) once ``stop`` is set or after
     ``stop_after_events`` chunks."""
     res = result if result is not None else StreamResult()
-    chunks = _Chunks(res, len(input_ids))
+    path, payload, chunks = _request(route, input_ids, max_new_tokens, sampling, model, res)
     res.arrival = time.perf_counter() - t0
-    payload = _payload(input_ids, max_new_tokens, sampling)
-    with requests.post(url + "/generate", json=payload, stream=True, timeout=timeout) as resp:
+    with requests.post(url + path, json=payload, stream=True, timeout=timeout) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"/generate answered {resp.status_code}: {resp.text[:300]}")
+            raise RuntimeError(f"{path} answered {resp.status_code}: {resp.text[:300]}")
         for raw in resp.iter_lines():
             if stop is not None and stop.is_set():
                 break
