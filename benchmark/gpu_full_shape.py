@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_kda.harness import Server, StreamResult, stream_generate_sync, tiny_model_dir
+from kda_harness import Server, StreamResult, stream_generate_sync, tiny_model_dir
 from sglang_kda.numbers import percentile, worst_gaps
 
 SHAPES = {

@@ -345,7 +345,7 @@ def _kit_is_current(kit, archive: Path) -> bool:
     if not archive.exists():
         return False
     inputs = [kit.PINS, REPO / "benchmark" / "gpu_kit.py", REPO / "pyproject.toml"]
-    for folder in ("sglang_kda", "patches", "kernels"):
+    for folder in ("sglang_kda", "patches", "kernels", "kda_harness"):
         inputs += list((REPO / folder).rglob("*.py"))
     return archive.stat().st_mtime > max(p.stat().st_mtime for p in inputs)
 
