@@ -1,6 +1,6 @@
 """Cost models for the simulator: one interface, shared with the serial-aware budget.
 
-The interface (:class:`RoundCost`) is what :mod:`sglang_kda.policy.budget` already calls on its
+The interface (:class:`RoundCost`) is what :mod:`sglang_kda.policy.plan` already calls on its
 :class:`~sglang_kda.policy.cost_model.CostModel`: ``predict(shape)`` (seconds of one forward of a
 :class:`~sglang_kda.policy.cost_model.BatchShape`), ``coef.overhead`` (the fixed cost of a
 round), ``decode_cost(decode_ctx)``, ``prefill_work(start, end)`` and ``alone_time(start, end,

@@ -3,7 +3,7 @@
 ``patches/scheduler.py`` wires this into SGLang's ``Scheduler``; everything that decides or
 remembers lives here, so it can be tested without a server:
 
-* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.round.RoundPlanner`), the
+* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.plan.RoundPlanner`), the
   online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`) and what the server
   reports under ``/server_info`` ``sglang_kda.budget``. Each round (:meth:`BudgetRuntime.plan`)
   it books the requests new in the queue (their deadlines; refusing one that cannot meet it even
@@ -51,7 +51,8 @@ from sglang_kda.policy.cost_model import (
     cache_key,
     default_cache_path,
 )
-from sglang_kda.policy.round import Decision, RoundPlanner, StreamGaps
+from sglang_kda.policy.finish import StreamGaps
+from sglang_kda.policy.plan import Decision, RoundPlanner
 from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
 
@@ -289,7 +290,7 @@ class BudgetRuntime:
         the abort message when it is refused (``reject``), else ``None``.
 
         Booked with its cached prefix, a cache hit's time alone (the pace the progress floor
-        holds it to, :func:`sglang_kda.policy.budget.progress_floor`) is that of what it has
+        holds it to, :func:`sglang_kda.policy.slices.progress_floor`) is that of what it has
         left: booked cold, the hit seemed to have banked the time of the tokens it skipped, and
         the floor let the budget cut it to one grid step a round (issue 30's probe run)."""
         if rid in self.book.live:
@@ -729,7 +730,7 @@ def synchronous_forward() -> bool:
 def step_done(sched: Any, result: Any, batch: Any = None) -> None:
     """The step that returned ``result`` is processed: time it and book its prefills
     (:meth:`BudgetRuntime.finished`), and see its requests' output tokens (the decode streams'
-    worst gaps, :class:`~sglang_kda.policy.round.StreamGaps`)."""
+    worst gaps, :class:`~sglang_kda.policy.finish.StreamGaps`)."""
     st = getattr(sched, "_kda_budget", None)
     if st:
         now = time.monotonic()
