@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
+from sglang_kda import cost_store
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, attention_work
 
 KDA_CHUNK = 64
@@ -57,7 +58,7 @@ def cpu_model(path: str | Path | None = None, coef: Coefficients | None = None) 
     """The tiny model's CPU cost model: from a calibration file when given (and present), else
     from ``coef``, else the budget module's default coefficients (uncalibrated)."""
     if path is not None and Path(path).exists():
-        return CostModel.load(path)
+        return cost_store.load(path)
     return CostModel(coef or Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
 
 
