@@ -25,6 +25,7 @@ from sglang_kda.policy.cost_model import BatchShape, CostModel
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 
 
+# the plan's modes (:mod:`sglang_kda.policy.plan` says what each does)
 MODES = (
     "idle", "prefill_only", "share", "drain", "tolerated", "grow", "alone", "interleave", "pace",
     "burst", "finish",
@@ -50,10 +51,10 @@ class BudgetConfig:
         :meth:`~sglang_kda.policy.cost_model.OnlineFit.slow_factor`): a round's predicted step
         must fit the round budget divided by it.
     max_slowdown: a prefill sharing rounds with decode progresses at least 1/this of its
-        predicted rate running alone (:func:`progress_floor`), whatever the round budget;
+        predicted rate running alone (:func:`~.slices.progress_floor`), whatever the round budget;
         0: no floor.
     max_round_s: with no decode running, a round's predicted step is kept within this (the
-        longest grid-aligned slice that fits, :func:`lone_slice`), so a request arriving
+        longest grid-aligned slice that fits, :func:`~.slices.lone_slice`), so a request arriving
         meanwhile waits at most about this long for the next round; 0: the largest slice.
     """
 
@@ -92,7 +93,7 @@ class BudgetConfig:
 class Prefill:
     """A prompt being prefilled: tokens ``[done, total)`` are left; must finish by ``deadline``.
     ``alone_s``: its predicted time running alone from where it was admitted (``None``: not
-    known; :func:`progress_floor` then holds every round to the local rate)."""
+    known; :func:`~.slices.progress_floor` then holds every round to the local rate)."""
 
     rid: str
     deadline: float

@@ -48,7 +48,7 @@ def at_risk(
     memo: dict | None = None,
 ) -> bool:
     """Sharing the default round budget would miss ``p``'s deadline. ``budget``: the round
-    budget when the caller has it; ``memo``: as :func:`fit_slice` takes it."""
+    budget when the caller has it; ``memo``: as :func:`~.slices.fit_slice` takes it."""
     if budget is None:
         budget = round_budget(model, decode_ctx, cfg)
     share = fit_slice(model, decode_ctx, p.done, p.remaining, budget, cfg.grid, cfg.max_slice, memo)

@@ -67,11 +67,12 @@ def finish_whole(
 
     ``behind``: prompts waiting to prefill behind ``p``. Each round ``p`` takes delays their
     first tokens too, so the gain counts ``1 + behind`` times, and the round may stretch to
-    ``max_round_s`` (what a prefill round with no decode may take, :func:`lone_slice`) instead
-    of :data:`FINISH_STRETCH` x the budget: with a queue, slicing a prompt that one such round
-    finishes only moves decode's gap into every queued prompt's TTFT (issue 39, bench_serving
-    random-ids at concurrency 16: TTFT median 1.09-1.19x stock's, output throughput 0.94-0.95x,
-    each 500-1,500-token arrival cut into 64-token slices beside 15 decode streams).
+    ``max_round_s`` (what a prefill round with no decode may take,
+    :func:`~.slices.lone_slice`) instead of :data:`FINISH_STRETCH` x the budget: with a queue,
+    slicing a prompt that one such round finishes only moves decode's gap into every queued
+    prompt's TTFT (issue 39, bench_serving random-ids at concurrency 16: TTFT median
+    1.09-1.19x stock's, output throughput 0.94-0.95x, each 500-1,500-token arrival cut into
+    64-token slices beside 15 decode streams).
     """
     return whole_reason(model, decode_ctx, p, tokens, budget, cfg, behind) is not None
 

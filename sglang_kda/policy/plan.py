@@ -99,7 +99,7 @@ def plan_round(
     model predicts the slice fits). ``since_decode``: rounds planned ``alone`` in a row just
     before this one (``None``: a prefill that must run alone never lets decode in,
     :func:`interleave_due`). ``tolerated_s``: a round the decode tokens' worst gap so far
-    already covers (model time; :func:`whole_reason`)."""
+    already covers (model time; :func:`~.finish.whole_reason`)."""
     decode_ctx = ctx_tuple(decode_ctx)
     plan = _plan_head(
         model, cfg, now, decode_ctx, prefills, inflight, since_slice, slice_overshoots,
@@ -373,7 +373,7 @@ class Decision:
 
     plan: the budget's plan; run_prefill: False for a paced round (decode alone).
     chunk_budget: prefill tokens of the round; keep / cap: the in-flight request's share
-    (:func:`make_room`); mix_decode: decode rides along; head: a waiting request to move to
+    (:func:`~.slices.make_room`); mix_decode: decode rides along; head: a waiting request to move to
     the front of the queue (the plan's head, when no chunked request is in flight).
     """
 
@@ -409,7 +409,7 @@ class RoundPlanner:
     slice_overshoot: bool = False  # the last shared round took longer than its budget
     since_decode: int = 0  # rounds planned ``alone`` (decode waiting) in a row
     slow: float = 1.0  # the slowness the last round was planned with (BudgetConfig.slow)
-    tolerated: float = 0.0  # the last round's tolerated gap (seconds, :func:`tolerated_gap`)
+    tolerated: float = 0.0  # the last round's tolerated gap (seconds, finish.tolerated_gap)
     last_plan: Optional[Plan] = None
     rounds: dict = field(default_factory=dict)
 
@@ -441,8 +441,8 @@ class RoundPlanner:
         ``slow``: how much slower than the cost model recent steps ran (the round budget is
         divided by it). ``decode_worst``: each running decode stream's worst gap between two
         of its tokens so far (seconds; 0 for one without a gap yet): a round within their median
-        (:func:`tolerated_gap`) lengthens the worst stall of no more than half of them
-        (:func:`~sglang_kda.policy.finish.whole_reason`).
+        (:func:`~.finish.tolerated_gap`) lengthens the worst stall of no more than half of them
+        (:func:`~.finish.whole_reason`).
         ``None``: nothing to prefill; the scheduler runs as upstream does."""
         book = self.book
         decode_ctx = ctx_tuple(decode_ctx)  # one tuple for all the round's predictions
@@ -515,7 +515,7 @@ def _slice_beside_shorts(
 ) -> int:
     """The in-flight prompt ``long``'s slice when short requests enter beside it: their prefill
     is charged to the round budget too, so the long slice shrinks (on the grid, to at least the
-    next grid point and the progress floor, :func:`~sglang_kda.policy.slices.progress_floor`)
+    next grid point and the progress floor, :func:`~.slices.progress_floor`)
     until decode + slice + shorts fit the budget."""
     if tokens >= long.remaining:
         # a round that finishes it (finish_whole) is not cut back for shorts: they are
@@ -562,7 +562,7 @@ def _shorts_only(
     """The round's chunk budget while the in-flight prompt ``long`` continues beside decode:
     only waiting requests whose whole prefill alone fits the round's time (its budget, or the
     gap the decode streams already tolerate) count as short enough to enter beside it
-    (:func:`~sglang_kda.policy.slices.make_room` admits by tokens: any request shorter than what
+    (:func:`~.slices.make_room` admits by tokens: any request shorter than what
     the in-flight prompt has left). Issue 39, bench_serving random-ids at concurrency 8:
     1,000-1,800-token arrivals entered whole beside an in-flight 1,500-token prompt cut to one
     grid step, a long gap for decode and the in-flight prompt's first token later, TTFT median
