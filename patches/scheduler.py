@@ -13,7 +13,7 @@ How: each round :func:`sglang_kda.wiring.budget.plan_round` books the requests n
     counted from when the tokenizer manager took the request; under ``--kda-reject-infeasible
     on`` one that cannot meet it even alone is aborted, a 400) and plans the round
     (:meth:`~sglang_kda.wiring.budget.BudgetRuntime.plan`,
-    :class:`sglang_kda.policy.round.RoundPlanner`). At TP > 1, TP rank 0 plans and broadcasts
+    :class:`sglang_kda.policy.plan.RoundPlanner`). At TP > 1, TP rank 0 plans and broadcasts
     the orders over the TP CPU group in this same call on every rank (whenever anything is
     queued, which all ranks see alike), so all ranks build the same batch.
     :func:`~sglang_kda.wiring.budget.round_inputs` then sets, for upstream's call only, the two

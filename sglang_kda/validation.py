@@ -236,7 +236,7 @@ def check_sampling_params(
             raise RequestError(name(key), f"must be an object, got {_show(v)}")
     custom = get("custom_params")
     if isinstance(custom, Mapping) and custom.get("ttft_deadline_ms") is not None:
-        # The serial-aware budget's per-request deadline (sglang_kda/policy/budget.py).
+        # The serial-aware budget's per-request deadline (sglang_kda/policy/deadlines.py).
         check_number(
             custom["ttft_deadline_ms"],
             name("custom_params") + ".ttft_deadline_ms",

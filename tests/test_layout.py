@@ -1,6 +1,6 @@
 """The package's shape, checked from its source (issue 29): ``policy/`` is plain (no SGLang, nothing
-outside ``policy/``), and the package's imports run one way (no cycle, counting imports inside
-functions too)."""
+outside ``policy/``, no file or environment I/O), and the package's imports run one way (no
+cycle, counting imports inside functions too)."""
 
 from __future__ import annotations
 
@@ -101,3 +101,51 @@ def test_the_package_imports_run_one_way():
 
 def test_the_cycle_check_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# What reaches files, the environment or the process's surroundings (issue 38): ``policy/`` takes
+# such values from its callers (the cost model's file is read and written in sglang_kda.cost_store).
+IO_MODULES = {"os", "pathlib", "io", "json", "shutil", "tempfile", "glob", "pickle", "subprocess"}
+IO_CALLS = {"open", "input"}
+IO_ATTRS = {"environ", "getenv", "putenv"}
+NUMPY_FILES = {"load", "save", "savez", "savez_compressed", "loadtxt", "savetxt", "genfromtxt"}
+NUMPY_FILES |= {"fromfile", "tofile", "memmap"}
+
+
+def _io_uses(source: str) -> list[str]:
+    """The I/O a module's source names: modules imported, builtins called, attributes read."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            out += [f"import {a.name}" for a in n.names if a.name.split(".")[0] in IO_MODULES]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            if n.module.split(".")[0] in IO_MODULES:
+                out.append(f"from {n.module} import")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            if n.func.id in IO_CALLS:
+                out.append(f"{n.func.id}()")
+        elif isinstance(n, ast.Attribute):
+            if n.attr in IO_ATTRS:
+                out.append(f".{n.attr}")
+            elif (
+                n.attr in NUMPY_FILES
+                and isinstance(n.value, ast.Name)
+                and n.value.id in ("np", "numpy")
+            ):
+                out.append(f"{n.value.id}.{n.attr}")
+    return out
+
+
+def test_policy_does_no_io():
+    for path in sorted((REPO / "sglang_kda" / "policy").glob("*.py")):
+        assert _io_uses(path.read_text()) == [], f"policy/{path.name} does I/O"
+
+
+def test_the_io_check_sees_io():
+    source = (
+        "import os, math\nfrom pathlib import Path\nimport json\nimport numpy as np\n"
+        "def f(p):\n    open(p)\n    np.save(p, 1)\n    return os.environ.get('A')\n"
+    )
+    assert sorted(_io_uses(source)) == sorted(
+        ["import os", "from pathlib import", "import json", "open()", "np.save", ".environ"]
+    )

@@ -15,7 +15,7 @@ The rules:
   chunk's length end on the absolute checkpoint grid
   (:func:`sglang_kda.policy.grid.aligned_chunk_len`; never longer than the host's budget).
 * **Short requests enter beside the in-flight one** (:meth:`AdderRound.inflight_limit`,
-  :func:`sglang_kda.policy.round.make_room`).
+  :func:`sglang_kda.policy.slices.make_room`).
 * **One unfinished chunked request per round** (SGLang tracks a single ``chunked_req``): while
   the round holds one, an admission that would be cut is turned down
   (:meth:`AdderRound.refuse_cut`), and a request admitted chunked closes the round's chunk budget
@@ -47,7 +47,7 @@ from typing import Any, Hashable, Iterable, Optional, Sequence
 # Called through their modules, so a test that changes a rule sees it in both hosts.
 from sglang_kda.policy import admission as admission_mod
 from sglang_kda.policy import grid as grid_mod
-from sglang_kda.policy import round as round_mod
+from sglang_kda.policy import slices as slices_mod
 from sglang_kda.policy.admission import Leader
 
 
@@ -114,7 +114,7 @@ class AdderRound:
     ) -> Optional[int]:
         """The most tokens the in-flight chunked request takes this round so that short waiting
         requests enter beside it (``None``: no limit; counted when room was made)."""
-        room = round_mod.make_room(
+        room = slices_mod.make_room(
             budget,
             done,
             remaining,

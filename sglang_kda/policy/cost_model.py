@@ -35,25 +35,24 @@ another); a GPU varlen kernel runs them side by side, so ``parallel_slices=True`
 longest slice's steps instead (for the simulator's GPU cost models).
 
 Everything here is plain arithmetic on integers and floats: time is an input (measured by the
-caller), never read from a clock, so the same object runs in the scheduler and in a simulator.
+caller), never read from a clock, and no file or environment is read, so the same object runs in
+the scheduler and in a simulator.
 
 Calibration (:class:`OnlineFit`): the scheduler records each real step (its shape and measured
 seconds) and refits the coefficients by non-negative least squares over a window of recent steps;
 the fit starts from a file (``--kda-cost-model FILE``, or a cache file keyed by model, device and
-dtype) when one exists, and is saved back. The fit leaves out stalled steps (more than 2x off a
-first fit), pulls each coefficient gently toward its current value (ridge), and prices a decode
-token's context like a one-token slice's attention (``per_decode_ctx = per_attn_unit``).
+dtype) when one exists, and is saved back (the file's contents are :meth:`CostModel.to_dict`;
+:mod:`sglang_kda.cost_store` reads and writes it). The fit leaves out stalled steps (more than
+2x off a first fit), pulls each coefficient gently toward its current value (ridge), and prices
+a decode token's context like a one-token slice's attention (``per_decode_ctx = per_attn_unit``).
 The relative prediction error on real steps is kept
 as an exponential moving average; :attr:`OnlineFit.drifting` says when it exceeds a threshold.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -264,32 +263,6 @@ class CostModel:
             parallel_slices=bool(d.get("parallel_slices", False)),
             chunk=int(d.get("chunk", KDA_CHUNK)),
         )
-
-    def save(self, path: str | os.PathLike, key: str = "", extra: dict | None = None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({**self.to_dict(key), **(extra or {})}, indent=1))
-        os.replace(tmp, path)
-
-    @staticmethod
-    def load(path: str | os.PathLike) -> "CostModel":
-        return CostModel.from_dict(json.loads(Path(path).read_text()))
-
-
-def cache_key(model: str, device: str, dtype: str) -> str:
-    """The cache key of a calibration: model (its directory name), device and dtype."""
-    name = Path(str(model).rstrip("/")).name or str(model)
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{name}-{device}-{dtype}")
-    return safe
-
-
-def default_cache_path(key: str) -> Path:
-    """``$SGLANG_KDA_CACHE_DIR`` (or ``~/.cache/sglang_kda``) ``/cost_model/<key>.json``."""
-    root = os.environ.get("SGLANG_KDA_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sglang_kda"
-    )
-    return Path(root) / "cost_model" / f"{key}.json"
 
 
 def nnls(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:

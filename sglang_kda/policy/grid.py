@@ -9,9 +9,15 @@ Upstream SGLang 0.5.23 rounds the *length* of a cut chunk down to the grid (and 
 context parallelism); when the request resumed from an off-grid prefix (a cache hit at 150 tokens,
 say) that puts every later round end off the grid. :func:`aligned_chunk_len` rounds the *end
 position* instead.
+
+Two searches every slice size shares: :func:`first_step` (the least progress a round makes: up
+to the next grid point) and :func:`longest_fit` (the longest slice ending on the grid that
+fits a bound).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 KDA_KERNEL_CHUNK = 64
 
@@ -75,3 +81,28 @@ def aligned_chunk_len(prefix_len: int, budget: int, remaining: int, grid: int) -
     if end > prefix_len:
         return end - prefix_len
     return budget
+
+
+def first_step(done: int, remaining: int, grid: int) -> int:
+    """The smallest slice from ``done`` that makes progress: up to the next grid point, or all
+    that is left when that is less."""
+    return min((done // grid + 1) * grid - done, remaining)
+
+
+def longest_fit(done: int, least: int, most: int, grid: int, fits: Callable[[int], bool]) -> int:
+    """The longest slice from ``done`` that ends on the grid, is longer than ``least`` and at
+    most ``most`` tokens, and ``fits``; ``least`` when none does (``fits(least)`` is not asked).
+
+    ``fits(n)`` says whether a slice of ``n`` tokens fits (a predicted round within a time,
+    say) and must hold up to some length and not beyond (the cost grows with the slice), so
+    the grid points are bisected: about ``log2((most - least) / grid)`` calls. With ``grid``
+    1 every length counts (a search to the token)."""
+    lo, hi = (done + least) // grid, (done + most) // grid
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * grid - done):
+            lo = mid
+        else:
+            hi = mid - 1
+    end = lo * grid
+    return end - done if end > done + least else least

@@ -130,10 +130,10 @@ def max_round_tokens(chunk_tokens: int, grid: int, budget_on: bool) -> int:
     ``--chunked-prefill-size`` being ``chunk_tokens``.
 
     Without the serial budget, the chunk (SGLang's own rounds; short requests entering beside an
-    in-flight prompt share the chunk, ``round.make_room``). With it
-    (``policy/round.round_tokens``): a round with an in-flight prompt gets the chunk budget
+    in-flight prompt share the chunk, ``slices.make_room``). With it
+    (``policy/plan.round_tokens``): a round with an in-flight prompt gets the chunk budget
     ``max(max_slice, tokens + max_slice // 2)`` so short requests can enter beside the prompt's
-    planned ``tokens``, which reach ``max_slice + grid - 1`` (``budget.whole_within_step`` takes a
+    planned ``tokens``, which reach ``max_slice + grid - 1`` (``finish.whole_within_step`` takes a
     remainder of less than one grid step whole); ``max_slice`` is the chunk rounded down to the
     grid (``config.budget_config``). So ``max_slice + max_slice // 2 + grid - 1``: 12,351 tokens
     at chunk 8,192 and grid 64, 1.51x the chunk."""

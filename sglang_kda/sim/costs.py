@@ -1,6 +1,6 @@
 """Cost models for the simulator: one interface, shared with the serial-aware budget.
 
-The interface (:class:`RoundCost`) is what :mod:`sglang_kda.policy.budget` already calls on its
+The interface (:class:`RoundCost`) is what :mod:`sglang_kda.policy.plan` already calls on its
 :class:`~sglang_kda.policy.cost_model.CostModel`: ``predict(shape)`` (seconds of one forward of a
 :class:`~sglang_kda.policy.cost_model.BatchShape`), ``coef.overhead`` (the fixed cost of a
 round), ``decode_cost(decode_ctx)``, ``prefill_work(start, end)`` and ``alone_time(start, end,
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
+from sglang_kda import cost_store
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, attention_work
 
 KDA_CHUNK = 64
@@ -57,7 +58,7 @@ def cpu_model(path: str | Path | None = None, coef: Coefficients | None = None) 
     """The tiny model's CPU cost model: from a calibration file when given (and present), else
     from ``coef``, else the budget module's default coefficients (uncalibrated)."""
     if path is not None and Path(path).exists():
-        return CostModel.load(path)
+        return cost_store.load(path)
     return CostModel(coef or Coefficients(), TINY_KDA_LAYERS, TINY_MLA_LAYERS, False)
 
 

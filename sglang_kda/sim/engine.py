@@ -15,8 +15,8 @@ model, :mod:`sglang_kda.sim.costs`) and the clock:
   ``--kda-eviction`` rule (:mod:`sglang_kda.cache.eviction`, ``SimConfig.eviction``), applied
   where the server applies it: once after a prefill step's inserts and after each finished
   request's insert (KV pressure: LRU leaves);
-* the serial-aware budget and deadlines: :func:`sglang_kda.policy.budget.plan_round` and
-  :class:`~sglang_kda.policy.budget.DeadlineBook` (``kda`` with ``budget`` set), including its
+* the serial-aware budget and deadlines: :func:`sglang_kda.policy.plan.plan_round` and
+  :class:`~sglang_kda.policy.deadlines.DeadlineBook` (``kda`` with ``budget`` set), including its
   opt-in pacing (``BudgetConfig.pace_every``: a ``pace`` round is decode alone and leaves the
   in-flight chunked request for the next ``burst`` round, as the server's wrapper does).
 
@@ -66,7 +66,7 @@ from sglang_kda.sim.tree import RadixTree
 # the modules hold (a test that changes a policy function sees the change in simulated results).
 from sglang_kda.policy import adder as adder_mod
 from sglang_kda.policy import grid as grid_mod
-from sglang_kda.policy import round as round_mod
+from sglang_kda.policy import plan as plan_mod
 from sglang_kda.policy.admission import Leader
 from sglang_kda.policy.cost_model import BatchShape, Slice
 from sglang_kda.sim.trace import Trace
@@ -311,7 +311,7 @@ class Rank:
         self.now = 0.0
         self.rounds: list[RoundRecord] = [] if record else None
         self.n_rounds = 0
-        self.planner = round_mod.RoundPlanner(cfg.budget) if cfg.kda and cfg.budget else None
+        self.planner = plan_mod.RoundPlanner(cfg.budget) if cfg.kda and cfg.budget else None
         self.last_decision = None
         self.infeasible: list[str] = []
         # what the admission passes counted (sglang_kda.policy.adder.AdderRound.counts: the

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sglang_kda import cost_store
 from sglang_kda.numbers import GAP_KEYS
 from sglang_kda.policy.cost_model import CostModel
 from sglang_kda.sim import mooncake as mc
@@ -264,7 +265,8 @@ def evaluate(
     model, timing, factors = fit_run(cals, jitter)
     say(f"[cal] ingress gap {timing['ingress_gap_s'] * 1e3:.2f} ms")
     if model_path is not None:
-        model.save(
+        cost_store.save(
+            model,
             model_path,
             key=f"tiny-cpu-{policy}",
             extra={

@@ -3,7 +3,7 @@
 ``patches/scheduler.py`` wires this into SGLang's ``Scheduler``; everything that decides or
 remembers lives here, so it can be tested without a server:
 
-* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.round.RoundPlanner`), the
+* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.plan.RoundPlanner`), the
   online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`) and what the server
   reports under ``/server_info`` ``sglang_kda.budget``. Each round (:meth:`BudgetRuntime.plan`)
   it books the requests new in the queue (their deadlines; refusing one that cannot meet it even
@@ -21,7 +21,7 @@ remembers lives here, so it can be tested without a server:
   result object, so the overlap scheduler's run-ahead (batch N+1 launched before batch N's
   result is processed) cannot pair one batch's shape with another's time.
 * The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
-  model/device/dtype, :func:`sglang_kda.policy.cost_model.default_cache_path`) and saved after
+  model/device/dtype, :func:`sglang_kda.cost_store.default_cache_path`) and saved after
   :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
 * Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``), registered once per
   process, only where SGLang runs with metrics (``PROMETHEUS_MULTIPROC_DIR`` set).
@@ -44,14 +44,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from sglang_kda.cache.probe import cached_prefix, planned_done
 from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
 from sglang_kda.policy.budget import BudgetConfig
-from sglang_kda.policy.cost_model import (
-    BatchShape,
-    CostModel,
-    OnlineFit,
-    cache_key,
-    default_cache_path,
-)
-from sglang_kda.policy.round import Decision, RoundPlanner, StreamGaps
+from sglang_kda import cost_store
+from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit
+from sglang_kda.policy.finish import StreamGaps
+from sglang_kda.policy.plan import Decision, RoundPlanner
 from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
 
@@ -154,7 +150,7 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     mla = max(1, mla_layers)
     if os.path.exists(path):
         try:
-            loaded = CostModel.load(path)
+            loaded = cost_store.load(path)
             logger.info("cost model loaded from %s", path)
             return CostModel(loaded.coef, kda_layers=kda_layers, mla_layers=mla)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -289,7 +285,7 @@ class BudgetRuntime:
         the abort message when it is refused (``reject``), else ``None``.
 
         Booked with its cached prefix, a cache hit's time alone (the pace the progress floor
-        holds it to, :func:`sglang_kda.policy.budget.progress_floor`) is that of what it has
+        holds it to, :func:`sglang_kda.policy.slices.progress_floor`) is that of what it has
         left: booked cold, the hit seemed to have banked the time of the tokens it skipped, and
         the floor let the budget cut it to one grid step a round (issue 30's probe run)."""
         if rid in self.book.live:
@@ -444,7 +440,7 @@ class BudgetRuntime:
                 )
         if f.n_observed == FIRST_SAVE or f.n_observed % SAVE_EVERY == 0:
             try:
-                f.model.save(self.path, key=os.path.basename(self.path))
+                cost_store.save(f.model, self.path, key=os.path.basename(self.path))
             except OSError as e:
                 logger.warning("cost model not saved to %s: %s", self.path, e)
 
@@ -506,7 +502,9 @@ def open_runtime(
         logger.warning("--kda-budget serial: stock scheduling, %s", why)
         return None
     cfg = budget_config(kcfg, page_size, chunked_prefill_size)
-    path = kcfg.cost_model or str(default_cache_path(cache_key(model_path, device, dtype)))
+    path = kcfg.cost_model or str(
+        cost_store.default_cache_path(cost_store.cache_key(model_path, device, dtype))
+    )
     if leader:
         model = load_cost_model(path, kda_layers, mla_layers)
         logger.info(
@@ -729,7 +727,7 @@ def synchronous_forward() -> bool:
 def step_done(sched: Any, result: Any, batch: Any = None) -> None:
     """The step that returned ``result`` is processed: time it and book its prefills
     (:meth:`BudgetRuntime.finished`), and see its requests' output tokens (the decode streams'
-    worst gaps, :class:`~sglang_kda.policy.round.StreamGaps`)."""
+    worst gaps, :class:`~sglang_kda.policy.finish.StreamGaps`)."""
     st = getattr(sched, "_kda_budget", None)
     if st:
         now = time.monotonic()

@@ -5,7 +5,7 @@ prefills. With stock SGLang (chunk 8192) the in-flight chunked request takes eve
 budget, so each short prompt that arrives during the prefill gets its first token only after the
 long prompt's; with ``kda`` (default, and with the serial budget) it enters the next round beside
 the long prompt's slice. These fail on a simulator that stops calling the round decision
-(``sglang_kda.policy.round``) or that prices rounds wrongly by orders of magnitude. Simulated
+(``sglang_kda.policy.plan``) or that prices rounds wrongly by orders of magnitude. Simulated
 time only: nothing here depends on how fast the machine is.
 """
 

@@ -8,25 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kda.policy.budget import (
-    FINISH_STRETCH,
-    BudgetConfig,
-    DeadlineBook,
-    Plan,
-    Prefill,
+from sglang_kda.policy.budget import BudgetConfig, Plan, Prefill, round_budget, with_margin
+from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
+from sglang_kda.policy.deadlines import DeadlineBook, deadline_of, slack
+from sglang_kda.policy.finish import FINISH_STRETCH
+from sglang_kda.policy.plan import next_since_slice, plan_round
+from sglang_kda.policy.slices import (
     burst_slice,
-    deadline_of,
     finish_time,
     fit_slice,
-    next_since_slice,
     paced_finish_time,
-    plan_round,
-    round_budget,
-    slack,
     slice_end,
-    with_margin,
 )
-from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 
 # Roughly this machine's tiny model: 20 ms per forward, more with a prefill slice, serial KDA
 # steps dominate prefill.
@@ -116,7 +109,7 @@ def test_a_slow_spell_shrinks_the_slice_beside_decode():
     the slowness still fits the target; the planner compares a shared round's time against the
     budget it planned times the same factor."""
     from sglang_kda.policy.budget import with_slow
-    from sglang_kda.policy.round import RoundPlanner
+    from sglang_kda.policy.plan import RoundPlanner
 
     cfg = BudgetConfig(max_slowdown=0)  # the round budget alone, no progress floor
     assert with_slow(cfg, None) is cfg and with_slow(cfg, 0.7).slow == 1.0
@@ -654,7 +647,7 @@ def test_progress_floor_bounds_a_prompts_slowdown_beside_decode():
     round near the budget), the budget alone gives the prompt one grid step a round; the floor
     raises the slice until the round's predicted rate is 1/max_slowdown of the alone rate, so
     the planned prompt time beside decode stays within max_slowdown x alone."""
-    from sglang_kda.policy.budget import alone_time, progress_floor
+    from sglang_kda.policy.slices import alone_time, progress_floor
 
     slow_rounds = SLOW_ROUNDS
     cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)  # one grid step already overshoots
@@ -685,7 +678,7 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     smallest slice that still finishes by arrival + max_slowdown x alone, and the round keeps
     its budget; a prompt behind that pace catches up at 1/CATCH_UP_SLOWDOWN of its local rate,
     no further than back on pace."""
-    from sglang_kda.policy.budget import CATCH_UP_SLOWDOWN, alone_time, progress_floor
+    from sglang_kda.policy.slices import CATCH_UP_SLOWDOWN, alone_time, progress_floor
 
     slow_rounds = SLOW_ROUNDS
     cfg = BudgetConfig(itl_target_s=0.02, max_slice=1024)
@@ -722,7 +715,7 @@ def test_progress_floor_lets_a_prompt_ahead_of_its_pace_keep_the_round_budget():
     n_decode=st.integers(1, 8),
 )
 def test_the_paced_floor_never_exceeds_the_catch_up_one(done, total_extra, elapsed, n_decode):
-    from sglang_kda.policy.budget import CATCH_UP_SLOWDOWN, alone_time, progress_floor
+    from sglang_kda.policy.slices import CATCH_UP_SLOWDOWN, alone_time, progress_floor
 
     cfg = BudgetConfig(max_slice=4096)
     p = Prefill("p", 1e9, done, done + total_extra)
@@ -741,7 +734,7 @@ def test_the_paced_floor_never_exceeds_the_catch_up_one(done, total_extra, elaps
     n_decode=st.integers(0, 8),
 )
 def test_progress_floor_is_on_the_grid_and_within_the_chunk(done, total_extra, factor, n_decode):
-    from sglang_kda.policy.budget import progress_floor
+    from sglang_kda.policy.slices import progress_floor
 
     cfg = BudgetConfig(max_slice=4096, max_slowdown=factor)
     p = Prefill("p", 1e9, done, done + total_extra)
@@ -831,7 +824,7 @@ CPU_CFG = BudgetConfig(grid=64, max_slice=512, overhead_s=0.004)
 def test_a_cut_that_would_leave_less_than_a_grid_step_takes_the_whole_prompt():
     """A prompt is not left with a few tokens for another round (a round's fixed cost and a
     whole round of delay for its first token, issue 30: 256 + 6 tokens, 256 + 1)."""
-    from sglang_kda.policy.budget import whole_within_step
+    from sglang_kda.policy.finish import whole_within_step
 
     p = Prefill("a", 100.0, 1024, 1286)  # a cut at 256 ends on the grid at 1280: 6 left
     assert whole_within_step(p, 256, 64) == 262
@@ -844,7 +837,7 @@ def test_a_prompt_that_finishes_this_round_goes_first_where_decode_costs_per_str
     """On the CPU engine the decode tokens of three streams add ~30 ms to a round; a prompt
     that finishes in one round runs without them (``finish``), decode runs the round after.
     Not when decode waited the round before, nor with another prompt queued behind it."""
-    from sglang_kda.policy.budget import finish_first
+    from sglang_kda.policy.finish import finish_first
 
     decode = (1300, 1250, 1400)
     p = Prefill("a", 100.0, 1024, 1254, arrival=0.0)
@@ -869,7 +862,7 @@ def test_a_prompt_that_finishes_this_round_goes_first_where_decode_costs_per_str
 def test_where_decode_rides_along_nearly_free_it_stays_in_the_finishing_round():
     """GPU models (H200, TP8): a decode token costs a round little, a round of its own a whole
     decode step: the finishing round keeps decode."""
-    from sglang_kda.policy.budget import finish_first
+    from sglang_kda.policy.finish import finish_first
     from sglang_kda.sim.costs import KimiLinearH200
 
     h200 = KimiLinearH200(8)
@@ -883,7 +876,7 @@ def test_where_decode_rides_along_nearly_free_it_stays_in_the_finishing_round():
 def test_decode_never_waits_two_finishing_rounds_in_a_row():
     """The planner counts a ``finish`` round as one where decode waited: the next prompt that
     could finish at once shares its round with decode."""
-    from sglang_kda.policy.round import RoundPlanner
+    from sglang_kda.policy.plan import RoundPlanner
 
     planner = RoundPlanner(CPU_CFG)
     decode = (1300, 1250, 1400)
@@ -902,7 +895,7 @@ def test_decode_never_waits_two_finishing_rounds_in_a_row():
 def test_a_hits_remainder_is_taken_whole_when_its_later_rounds_cost_more():
     """finish_whole (issue 30): a cache hit with a few hundred tokens left beside decode takes
     them in one round (within FINISH_STRETCH x the budget) instead of a cut and another round."""
-    from sglang_kda.policy.budget import finish_whole
+    from sglang_kda.policy.finish import finish_whole
 
     cfg = replace(CFG, max_slowdown=0)
     budget = round_budget(MODEL, DECODE, cfg)
@@ -936,7 +929,7 @@ def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
     """room_behind (issue 30): a waiting cache hit with a few tokens left heads the round; the
     round's tokens go past its remainder so the requests behind it use the rest of the budget
     (SGLang cuts the round's chunk budget across the queue in order)."""
-    from sglang_kda.policy.budget import room_behind
+    from sglang_kda.policy.plan import room_behind
 
     hit = Prefill("hit", deadline=1e9, done=1024, total=1024 + 64)
     cold = Prefill("cold", deadline=1e9, done=0, total=3000)
@@ -950,8 +943,8 @@ def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
     plan = plan_round(MODEL, cfg, 0.0, DECODE, [hit, cold])
     assert plan.rid == "hit" and plan.mode == "share"
     assert plan.tokens > hit.remaining  # room for the cold prompt behind it
-    head_only = room_behind(MODEL, cfg, replace(plan, tokens=hit.remaining), [hit], None)
-    assert head_only.tokens == hit.remaining  # nobody behind: unchanged
+    assert room_behind(MODEL, cfg, replace(plan, tokens=hit.remaining), [hit], hit) == 0
+    # nobody behind: no extra
     # the extra is a cold first slice fitting the time the head's round leaves ...
     left = plan.budget_s - plan.predicted_s
     extra = fit_slice(MODEL, (), 0, cfg.max_slice, left, cfg.grid, cfg.max_slice)
@@ -975,7 +968,7 @@ def test_spare_tokens_go_behind_only_where_they_save_a_round():
     save none only lengthen the round."""
     import math
 
-    from sglang_kda.policy.budget import useful_extra
+    from sglang_kda.policy.plan import useful_extra
 
     cfg = replace(CFG, max_slice=512)
     cold = Prefill("cold", deadline=1e9, done=0, total=2040)  # 4 rounds of 512
@@ -997,7 +990,7 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
     waiting) a 2,000-token prompt sliced to the round budget delays every queued prompt's first
     token by the rounds it adds. With prompts behind it the gain counts once per waiting prompt
     and the round may stretch to ``max_round_s``; alone in the queue it is cut as before."""
-    from sglang_kda.policy.budget import finish_whole
+    from sglang_kda.policy.finish import finish_whole
 
     cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
     decode = (1200,) * 4

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_kda import cost_store
 from sglang_kda.policy.cost_model import (
     BatchShape,
     Coefficients,
@@ -15,8 +16,6 @@ from sglang_kda.policy.cost_model import (
     OnlineFit,
     Slice,
     attention_work,
-    cache_key,
-    default_cache_path,
     fit,
     kda_steps,
     nnls,
@@ -220,19 +219,19 @@ def test_decode_context_priced_as_attention():
 
 def test_file_round_trip(tmp_path):
     p = tmp_path / "m.json"
-    TRUE.save(p, key="k")
-    assert CostModel.load(p) == TRUE
+    cost_store.save(TRUE, p, key="k")
+    assert cost_store.load(p) == TRUE
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": 99}')
     with pytest.raises(ValueError, match="format"):
-        CostModel.load(bad)
+        cost_store.load(bad)
 
 
 def test_cache_key_and_path(monkeypatch, tmp_path):
-    key = cache_key("/x/models/tiny-kimi-linear/", "cpu", "float32")
+    key = cost_store.cache_key("/x/models/tiny-kimi-linear/", "cpu", "float32")
     assert key == "tiny-kimi-linear-cpu-float32"
     monkeypatch.setenv("SGLANG_KDA_CACHE_DIR", str(tmp_path))
-    assert default_cache_path(key) == tmp_path / "cost_model" / f"{key}.json"
+    assert cost_store.default_cache_path(key) == tmp_path / "cost_model" / f"{key}.json"
 
 
 @settings(max_examples=50)

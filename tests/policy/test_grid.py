@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from sglang_kda.policy.grid import GridError, aligned_chunk_len, checkpoint_grid
+from sglang_kda.policy.grid import (
+    GridError,
+    aligned_chunk_len,
+    checkpoint_grid,
+    first_step,
+    longest_fit,
+)
 
 
 @pytest.mark.parametrize(
@@ -54,3 +62,30 @@ def test_aligned_chunk_len_properties():
 def test_aligned_chunk_len_rejects_empty_budget():
     with pytest.raises(ValueError):
         aligned_chunk_len(0, 0, 10, 64)
+
+
+def test_first_step_reaches_the_next_grid_point():
+    assert first_step(0, 1000, 64) == 64
+    assert first_step(150, 1000, 64) == 42
+    assert first_step(128, 1000, 64) == 64
+    assert first_step(150, 10, 64) == 10  # all that is left
+
+
+@given(
+    st.integers(0, 5000), st.integers(0, 3000), st.integers(-1, 3000), st.integers(1, 300),
+    st.integers(0, 9000),
+)  # fmt: skip
+def test_longest_fit_is_the_longest_grid_end_that_fits(done, least, span, grid, limit):
+    """Bisection finds what trying every grid end from the longest down finds."""
+    most = least + span
+    calls = []
+
+    def fits(n):
+        calls.append(n)
+        return n <= limit
+
+    got = longest_fit(done, least, most, grid, fits)
+    ends = [e for e in range(done + least + 1, done + most + 1) if e % grid == 0]
+    want = next((e - done for e in reversed(ends) if e - done <= limit), least)
+    assert got == want
+    assert all(n > least and (done + n) % grid == 0 for n in calls)

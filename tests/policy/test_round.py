@@ -10,12 +10,8 @@ from hypothesis import strategies as st
 from sglang_kda.policy.budget import BudgetConfig, Plan
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda.policy.grid import aligned_chunk_len
-from sglang_kda.policy.round import (
-    RoundPlanner,
-    default_keep,
-    make_room,
-    round_tokens,
-)
+from sglang_kda.policy.plan import RoundPlanner, round_tokens
+from sglang_kda.policy.slices import default_keep, make_room
 
 GRID = 64
 MODEL = CostModel(
@@ -248,12 +244,14 @@ def test_short_prompts_beside_a_shared_slice_are_charged_to_the_round_budget():
 
 
 def test_the_slice_beside_shorts_bisects_to_the_end_the_step_by_step_shrink_finds():
-    """``RoundPlanner._slice_beside_shorts`` bisects over the grid (the predicted round grows
+    """``plan._slice_beside_shorts`` bisects over the grid (the predicted round grows
     with the slice); shrinking one grid step at a time, as it did before, ends at the same slice
     for every case here."""
     import random
 
-    from sglang_kda.policy import budget as budget_mod
+    from sglang_kda.policy.budget import round_budget
+    from sglang_kda.policy.plan import _slice_beside_shorts
+    from sglang_kda.policy.slices import progress_floor, slice_end
     from sglang_kda.policy.cost_model import BatchShape, Slice
     from sglang_kda.sim.costs import KimiLinearH200
 
@@ -269,14 +267,14 @@ def test_the_slice_beside_shorts_bisects_to_the_end_the_step_by_step_shrink_find
         if not room.admitted:
             return tokens
         shorts = tuple(Slice(waiting[i].done, waiting[i].remaining) for i in room.admitted)
-        budget_s = budget_mod.round_budget(model, decode_ctx, cfg)
+        budget_s = round_budget(model, decode_ctx, cfg)
 
         def cost(n):
             return model.predict(BatchShape(tuple(decode_ctx), (Slice(long.done, n), *shorts)))
 
-        floor = budget_mod.progress_floor(model, decode_ctx, long, cfg, now)
+        floor = progress_floor(model, decode_ctx, long, cfg, now)
         least = max(first, min(tokens, floor))
-        end = budget_mod.slice_end(long.done, tokens, long.remaining, grid)
+        end = slice_end(long.done, tokens, long.remaining, grid)
         while end - long.done > least and cost(end - long.done) > budget_s:
             end = max(long.done + least, (end - 1) // grid * grid)
         return end - long.done
@@ -298,14 +296,16 @@ def test_the_slice_beside_shorts_bisects_to_the_end_the_step_by_step_shrink_find
             now, tokens = rng.uniform(0, 20), rng.choice((64, 1000, 4096, 8192))
             args = (model, cfg, now, ctx, "long", present, 8192 + 4096, tokens)
             want = step_by_step(planner, *args)
-            assert planner._slice_beside_shorts(*args) == want
+            long, pending = planner.book.live["long"], planner.book.pending(present)
+            got = _slice_beside_shorts(model, cfg, now, ctx, long, pending, 8192 + 4096, tokens)
+            assert got == want
 
 
 def test_a_round_finishing_the_in_flight_prompt_gives_the_rest_only_where_it_saves_a_round():
     """Issue 30: a share round that finishes the in-flight prompt left half a chunk beside it,
     and SGLang cut the cold prompt behind it there (256 tokens beside the last 430; it still took
     four rounds of 512 after). The chunk budget now ends at the in-flight remainder unless the
-    requests behind save rounds of their own (:func:`budget.useful_extra`)."""
+    requests behind save rounds of their own (:func:`plan.useful_extra`)."""
     cfg = BudgetConfig(grid=GRID, max_slice=512, ttft_deadline_s=100.0, max_slowdown=0)
     decode = [1100] * 3
 
@@ -336,7 +336,7 @@ def test_a_round_finishing_the_in_flight_prompt_gives_the_rest_only_where_it_sav
 
 
 def test_stream_gaps_keep_each_streams_worst_gap_and_forget_finished_ones():
-    from sglang_kda.policy.round import StreamGaps, tolerated_gap
+    from sglang_kda.policy.finish import StreamGaps, tolerated_gap
 
     g = StreamGaps()
     g.saw("a", 1, 0.0)  # its first token: no gap yet

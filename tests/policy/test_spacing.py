@@ -98,8 +98,9 @@ def test_max_round_tokens_is_what_the_round_planner_can_give():
     """The bound against the code that makes the round: a prompt 63 tokens past one slice is
     taken whole (``whole_within_step``), and the round beside it leaves half a slice for short
     requests (``round_tokens``)."""
-    from sglang_kda.policy.budget import Plan, Prefill, whole_within_step
-    from sglang_kda.policy.round import round_tokens
+    from sglang_kda.policy.budget import Plan, Prefill
+    from sglang_kda.policy.finish import whole_within_step
+    from sglang_kda.policy.plan import round_tokens
 
     grid, chunk = 64, 8192
     tokens = whole_within_step(Prefill("a", 1e9, 0, chunk + grid - 1), chunk, grid)

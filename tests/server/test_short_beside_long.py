@@ -1,7 +1,7 @@
 """Short requests do not wait behind a long chunked prefill (issue 20), on the real server.
 
 A long prompt is prefilled in 128-token rounds; short prompts sent while it runs enter the next
-round beside it (``sglang_kda.policy.round.make_room``), answer while the long prompt is still
+round beside it (``sglang_kda.policy.slices.make_room``), answer while the long prompt is still
 prefilling, and every output equals the float64 reference forward. With the default flags (the
 serial budget on) and with ``--kda-budget off``; ``--kda-debug-integrity on`` checks tree, state
 pool and live requests after every prefill step.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kda.policy.budget import BudgetConfig, plan_round
+from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import BatchShape
+from sglang_kda.policy.plan import plan_round
 from sglang_kda.sim.costs import (
     KimiLinearH200,
     RoundCost,

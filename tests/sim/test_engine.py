@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_kda import cost_store
 from sglang_kda.policy import admission, grid
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import Coefficients, CostModel
@@ -303,7 +304,7 @@ def test_cli(tmp_path, capsys):
     assert len(lines) == 2 and '"unfinished": 0' in lines[0]
     # A calibration file's server timings (benchmark/sim_validate.py) ride along with cpu:FILE.
     cal = tmp_path / "cal.json"
-    COST.save(cal, extra={"per_request_fixed_s": 0.5, "ingress_gap_s": 0.001})
+    cost_store.save(COST, cal, extra={"per_request_fixed_s": 0.5, "ingress_gap_s": 0.001})
     assert main([str(p), "--cost", f"cpu:{cal}"]) == 0
     with_fixed = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert main([str(p), "--cost", "cpu"]) == 0

@@ -1,0 +1,179 @@
+"""Finishing rules: when a round takes all a prompt has left instead of cutting it, and when
+that round runs without the decode tokens.
+
+* A cut that would leave less than one grid step takes the whole prompt
+  (:func:`whole_within_step`).
+* So does a cut whose later rounds would delay the prompt's first token more than the whole
+  remainder delays this round's decode tokens, when that round stays within 2.5x the round
+  budget (:func:`finish_whole`). With prompts waiting behind it (``drain``) the later rounds
+  delay their first tokens too: the gain counts once for each, and the round may take up to
+  ``max_round_s``.
+* A prompt whose whole remainder's round fits within the median worst gap the running decode
+  streams have already had is taken whole (``tolerated``, :func:`whole_reason`): that round
+  lengthens no more than half of their worst stalls. The gaps are kept by :class:`StreamGaps`
+  and their median is :func:`tolerated_gap`.
+* When the round finishes the head, nothing else waits to prefill and decode ran the round
+  before, the prompt runs without the decode tokens if they would delay its first token more
+  than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
+  decode costs per stream); decode runs the next round.
+
+Pure: costs come from the model; no clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from sglang_kda.policy.budget import BudgetConfig, Prefill
+from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
+from sglang_kda.policy.slices import finish_time, slice_end
+
+
+def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
+    """``tokens``, or all that ``p`` has left when a cut at ``tokens`` would leave less than one
+    grid step: a round for those few tokens costs a round's fixed cost and delays the prompt's
+    first token by a whole round, for less than the one grid step a slice may overspend anyway."""
+    end = slice_end(p.done, tokens, p.remaining, grid)
+    return p.remaining if 0 < p.total - end < grid else tokens
+
+
+FINISH_STRETCH = 2.5
+"""A round that finishes a prompt may be predicted at up to this x the round budget
+(:func:`finish_whole`; the budget is already divided by the slow factor)."""
+
+
+def finish_whole(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    tokens: int,
+    budget: float,
+    cfg: BudgetConfig,
+    behind: int = 0,
+) -> bool:
+    """Whether the round should take all ``p`` has left instead of cutting it at ``tokens``.
+
+    Cut, ``p``'s first token comes one or more rounds later: each such round costs the fixed
+    round time (overhead, extend path, the decode tokens), which a whole remainder does not pay
+    again. Whole, the decode tokens riding along this round wait for the rest of the prompt's
+    work instead. The prompt takes its whole remainder when it gains more than one decode gap
+    loses, and when that round is predicted within :data:`FINISH_STRETCH` x the round budget
+    (so the rule cannot make a long gap: a cache hit's few hundred tokens, a prompt's last
+    slice). Found on bench_serving's shared-prefix run (issue 30): a hit of ~230 tokens after a
+    1,024-token cached prefix was cut at 128-192 tokens and took 2-3 rounds, 11-12 of 29 hits
+    per run, each paying a round's fixed cost again before its first token.
+
+    ``behind``: prompts waiting to prefill behind ``p``. Each round ``p`` takes delays their
+    first tokens too, so the gain counts ``1 + behind`` times, and the round may stretch to
+    ``max_round_s`` (what a prefill round with no decode may take,
+    :func:`~.slices.lone_slice`) instead of :data:`FINISH_STRETCH` x the budget: with a queue,
+    slicing a prompt that one such round finishes only moves decode's gap into every queued
+    prompt's TTFT (issue 39, bench_serving random-ids at concurrency 16: TTFT median
+    1.09-1.19x stock's, output throughput 0.94-0.95x, each 500-1,500-token arrival cut into
+    64-token slices beside 15 decode streams).
+    """
+    return whole_reason(model, decode_ctx, p, tokens, budget, cfg, behind) is not None
+
+
+def whole_reason(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    tokens: int,
+    budget: float,
+    cfg: BudgetConfig,
+    behind: int = 0,
+    tolerated_s: float = 0.0,
+) -> str | None:
+    """Why the round takes all ``p`` has left instead of cutting it at ``tokens`` (``None``: it
+    cuts), pricing the whole remainder's round once: ``share`` (:func:`finish_whole` without
+    the prompts behind), ``drain`` (only with the ``behind`` prompts counted) or ``tolerated``
+    (its round is predicted within ``tolerated_s``).
+
+    ``tolerated_s``: the worst gap the running streams have already had, as the caller measures
+    it, in the model's time. Slicing a prompt finer never makes decode's tokens come sooner on
+    the whole (each stream gets one token a round either way); it only spreads them evenly, and
+    delays the prompt's first token by a round's fixed cost per extra round. Where
+    the streams have already had a gap as long as the prompt's whole round (a queue drained, a
+    cache miss beside them), a cut buys no user a shorter stall (issue 39, bench_serving
+    random-ids at concurrency 16: each 500-1,500-token arrival cut into 2-4 rounds beside 15
+    decode streams, TTFT median 1.08-1.17x stock's). Only a whole remainder: growing any slice
+    to the tolerated gap sustained itself (the next round tolerates the gap the last one made;
+    in the simulator at H200 TP8, Mooncake 0-600 s, pooled ITL p99 84 ms against 50 without the
+    rule and TTFT p50 0.30 s against 0.21; whole remainders only: 62 ms, 0.23 s)."""
+    if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
+        return None
+    ctx = tuple(decode_ctx)
+    whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
+    stretch = FINISH_STRETCH * budget
+    wide = stretch
+    if behind > 0 and cfg.max_round_s > 0:
+        wide = max(stretch, cfg.max_round_s / cfg.slow)
+    if whole <= wide:
+        cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
+        gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
+        if whole <= stretch and gain > whole - cut:
+            return "share"
+        if behind > 0 and gain * (1 + behind) > whole - cut:
+            return "drain"
+    if 0 < tolerated_s and whole <= tolerated_s:
+        return "tolerated"
+    return None
+
+
+def finish_first(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
+) -> bool:
+    """Whether the round that finishes ``p`` (``tokens`` covers all it has left) should run
+    without the decode tokens, which then run in the next round. Riding along they delay ``p``'s
+    first token by ``mixed - alone``; waiting one round delays them by ``alone + overhead +
+    decode step - mixed``; the smaller delay wins. Where decode costs per sequence (the CPU
+    engine: three decode streams add ~30 ms to a round, and one more round ~8 ms) the prompt goes
+    first; where a decode token rides along nearly free (GPU models) decode stays in."""
+    if not decode_ctx or p.remaining <= 0 or tokens < p.remaining:
+        return False
+    ctx, cut = tuple(decode_ctx), (Slice(p.done, p.remaining),)
+    mixed = model.predict(BatchShape(ctx, cut))
+    alone = model.predict(BatchShape((), cut))
+    wait = alone + cfg.overhead_s + model.predict(BatchShape(ctx))  # decode's, split
+    return mixed - alone > wait - mixed
+
+
+def tolerated_gap(decode_worst: Sequence[float]) -> float:
+    """The gap the running decode streams already tolerate: the median of their worst gaps so
+    far (a stream without a gap yet counts 0), so a round within it makes the worst stall of
+    at most half of them longer (0 with no stream)."""
+    if not decode_worst:
+        return 0.0
+    return float(statistics.median(max(0.0, float(g)) for g in decode_worst))
+
+
+@dataclass
+class StreamGaps:
+    """Each decode stream's worst gap between two of its tokens so far, from the token counts
+    seen after each step (the server's scheduler calls :meth:`saw` as it processes a step's
+    result; the simulator keeps the tokens' times itself)."""
+
+    seen: dict = field(default_factory=dict)  # rid -> (tokens, time of the last, worst gap)
+
+    def saw(self, rid: str, tokens: int, now: float, finished: bool = False) -> None:
+        """``rid`` has ``tokens`` output tokens at ``now``; ``finished``: forget it."""
+        if finished:
+            self.seen.pop(rid, None)
+            return
+        prev = self.seen.get(rid)
+        if prev is None:
+            self.seen[rid] = (tokens, now, 0.0)
+        elif tokens > prev[0]:
+            worst = max(prev[2], now - prev[1]) if prev[0] >= 1 else prev[2]
+            self.seen[rid] = (tokens, now, worst)
+
+    def worst(self, rids: Iterable[str]) -> list[float]:
+        """The worst gaps of these streams (0 for one without a gap yet); forgets the others."""
+        rids = list(rids)
+        keep = set(rids)
+        for rid in [r for r in self.seen if r not in keep]:
+            del self.seen[rid]
+        return [self.seen[r][2] if r in self.seen else 0.0 for r in rids]
