@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import kda_harness as H
-from kda_harness.bench import gaps_overlapping
+from kda_harness.bench import gaps_overlapping, md_table
 from sglang_kda import steps
 from sglang_kda.numbers import worst_gaps
 
@@ -210,6 +210,156 @@ def _ratio(rows: list[dict], name: str, key: str) -> float:
     return statistics.median(r[key] / base[r["rep"]] for r in rows if r["config"] == name)
 
 
+def hol_report(runs: list[dict], med: list[dict], long_len: int, repeat: int, trace: bool):
+    """The ``hol`` rows' summary lines: medians and ratios to stock (``runs``: every run,
+    ``med``: :func:`_median_rows` of them), with ``trace`` where the long prompt's time went."""
+    lines = [
+        f"{long_len:,}-token prompt, then four 80-token prompts from 1 s, 0.5 s apart "
+        f"(medians of {repeat} interleaved runs; x stock: median of each run's ratio to "
+        "the stock run beside it):",
+        "",
+        md_table(
+            [
+                "config",
+                "long TTFT (s)",
+                "x stock",
+                "short TTFT p50 / max (s)",
+                "short latency max",
+            ],
+            (
+                [
+                    r["config"],
+                    f"{r['long_ttft_s']:.2f}",
+                    f"{_ratio(runs, r['config'], 'long_ttft_s'):.2f}",
+                    f"{r['short_ttft_p50_s']:.3f} / {r['short_ttft_max_s']:.3f}",
+                    f"{r['short_latency_max_s']:.3f}",
+                ]
+                for r in med
+            ),
+        ),
+    ]
+    if trace:
+        lines += [
+            "",
+            "Where the long prompt's time went (step traces, medians): forward steps and the "
+            "scheduler's time between them; steps carrying a long slice beside other work.",
+            "",
+            md_table(
+                [
+                    "config",
+                    "steps",
+                    "forward (s)",
+                    "between steps (s)",
+                    "long slices beside other work: steps, tokens, forward (s)",
+                ],
+                (
+                    [
+                        r["config"],
+                        f"{r['steps']:.0f}",
+                        f"{r['forward_s']:.2f}",
+                        f"{r['between_steps_s']:.2f}",
+                        f"{r['beside_steps']:.0f}, {r['beside_tokens']:.0f}, "
+                        f"{r['beside_forward_s']:.2f}",
+                    ]
+                    for r in med
+                ),
+            ),
+        ]
+    return lines
+
+
+def plot_hol(med: list[dict], names: list[str], long_len: int, chunk: int, path: Path) -> None:
+    plt = H.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, [r["short_ttft_max_s"] for r in med], label="short TTFT max")
+    ax.plot(names, [r["long_ttft_s"] for r in med], "ko", label="long TTFT")
+    ax.set_ylabel("seconds (median of runs)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"{long_len:,}-token prompt + 4 short prompts (chunk {chunk})")
+    H.save_png(fig, path)
+
+
+def decode_report(runs: list[dict], med: list[dict], dec_len: int, repeat: int, trace: bool):
+    """The ``decode`` rows' summary lines (``runs`` and ``med`` as for :func:`hol_report`), with
+    ``trace`` what a round costs."""
+    names = [r["config"] for r in med]
+    met = {n: sum(bool(r["deadline_met"]) for r in runs if r["config"] == n) for n in names}
+    cells = []
+    for r in med:
+        mine = [x for x in runs if x["config"] == r["config"]]
+        itl_x = statistics.median(
+            x["decode_itl_p99_during_ms"] / x["decode_itl_p99_alone_ms"] for x in mine
+        )
+        ttft_x = statistics.median(x["long_ttft_s"] / x["long_ttft_alone_s"] for x in mine)
+        over = sum(x["decode_gaps_over_50ms"] for x in mine)
+        gaps = sum(x["decode_gaps_during"] for x in mine)
+        cells.append(
+            [
+                r["config"],
+                f"{r['decode_itl_p99_alone_ms']:.1f} / {r['decode_itl_p99_during_ms']:.1f}",
+                f"{itl_x:.2f}",
+                f"{r['decode_gap_p50_during_ms']:.0f} / {r['decode_gap_p90_during_ms']:.0f} / "
+                f"{r['decode_gap_max_during_ms']:.0f}",
+                f"{over} of {gaps}",
+                f"{r['long_ttft_alone_s']:.2f} / {r['long_ttft_s']:.2f}",
+                f"{ttft_x:.2f}",
+                f"{r['long_ttft_deadline_s']:.2f}, {r['decode_itl_p99_during_deadline_ms']:.1f}, "
+                f"{met[r['config']]} of {len(mine)}",
+            ]
+        )
+    lines = [
+        "",
+        f"4 decode streams, then a {dec_len:,}-token prompt (server's default deadline; then "
+        f"again with a deadline of 1.5x its TTFT alone); medians of {repeat} runs, the "
+        "ratios per run:",
+        "",
+        md_table(
+            [
+                "config",
+                "decode ITL p99 alone / during (ms)",
+                "x",
+                "a stream's worst gap during: p50 / p90 / max (ms)",
+                "gaps over 50 ms (all runs)",
+                "prompt TTFT alone / with decode (s)",
+                "x",
+                "with 1.5x deadline: TTFT (s), ITL p99 (ms), met",
+            ],
+            cells,
+        ),
+    ]
+    if trace:
+
+        def cell(x: float, fmt: str) -> str:
+            return "none" if x != x else format(x, fmt)  # NaN: no such round
+
+        lines += [
+            "",
+            "Rounds (step traces, medians; a round is a step and the scheduler's time until "
+            "the next, which a decode token waits for too): decode alone before the prompt, "
+            "and with the prompt's slice beside the decode tokens during its prefill.",
+            "",
+            md_table(
+                [
+                    "config",
+                    "decode-only round (ms)",
+                    "round with a slice (ms)",
+                    "its slice (tokens)",
+                ],
+                (
+                    [
+                        r["config"],
+                        cell(r["decode_round_ms"], ".1f"),
+                        cell(r["shared_round_ms"], ".1f"),
+                        cell(r["shared_slice_tokens"], ".0f"),
+                    ]
+                    for r in med
+                ),
+            ),
+        ]
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6,000-token long prompt, 3,000 decode")
@@ -271,100 +421,13 @@ def main() -> None:
         H.write_csv(args.out / "hol_runs.csv", rows_hol, digits=4)
         med = _median_rows(rows_hol, names)
         H.write_csv(args.out / "hol.csv", med, digits=4)
-        lines += [
-            f"{long_len:,}-token prompt, then four 80-token prompts from 1 s, 0.5 s apart "
-            f"(medians of {args.repeat} interleaved runs; x stock: median of each run's ratio to "
-            "the stock run beside it):",
-            "",
-            "| config | long TTFT (s) | x stock | short TTFT p50 / max (s) | short latency max |",
-            "|---|---|---|---|---|",
-        ]
-        for r in med:
-            lines.append(
-                f"| {r['config']} | {r['long_ttft_s']:.2f} | "
-                f"{_ratio(rows_hol, r['config'], 'long_ttft_s'):.2f} | "
-                f"{r['short_ttft_p50_s']:.3f} / {r['short_ttft_max_s']:.3f} | "
-                f"{r['short_latency_max_s']:.3f} |"
-            )
-        if args.trace:
-            lines += [
-                "",
-                "Where the long prompt's time went (step traces, medians): forward steps and the "
-                "scheduler's time between them; steps carrying a long slice beside other work.",
-                "",
-                "| config | steps | forward (s) | between steps (s) | long slices beside other "
-                "work: steps, tokens, forward (s) |",
-                "|---|---|---|---|---|",
-            ]
-            for r in med:
-                lines.append(
-                    f"| {r['config']} | {r['steps']:.0f} | {r['forward_s']:.2f} | "
-                    f"{r['between_steps_s']:.2f} | {r['beside_steps']:.0f}, "
-                    f"{r['beside_tokens']:.0f}, {r['beside_forward_s']:.2f} |"
-                )
-        plt = H.pyplot()
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(names, [r["short_ttft_max_s"] for r in med], label="short TTFT max")
-        ax.plot(names, [r["long_ttft_s"] for r in med], "ko", label="long TTFT")
-        ax.set_ylabel("seconds (median of runs)")
-        ax.set_yscale("log")
-        ax.legend()
-        ax.set_title(f"{long_len:,}-token prompt + 4 short prompts (chunk {args.chunk})")
-        H.save_png(fig, args.out / "hol.png")
+        lines += hol_report(rows_hol, med, long_len, args.repeat, args.trace)
+        plot_hol(med, names, long_len, args.chunk, args.out / "hol.png")
     if rows_dec:
         H.write_csv(args.out / "decode_runs.csv", rows_dec, digits=4)
         med = _median_rows(rows_dec, names)
         H.write_csv(args.out / "decode.csv", med, digits=4)
-        met = {n: sum(bool(r["deadline_met"]) for r in rows_dec if r["config"] == n) for n in names}
-        lines += [
-            "",
-            f"4 decode streams, then a {dec_len:,}-token prompt (server's default deadline; then "
-            f"again with a deadline of 1.5x its TTFT alone); medians of {args.repeat} runs, the "
-            "ratios per run:",
-            "",
-            "| config | decode ITL p99 alone / during (ms) | x | a stream's worst gap during: "
-            "p50 / p90 / max (ms) | gaps over 50 ms (all runs) | prompt TTFT alone / with "
-            "decode (s) | x | with 1.5x deadline: TTFT (s), ITL p99 (ms), met |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in med:
-            runs = [x for x in rows_dec if x["config"] == r["config"]]
-            itl_x = statistics.median(
-                x["decode_itl_p99_during_ms"] / x["decode_itl_p99_alone_ms"] for x in runs
-            )
-            ttft_x = statistics.median(x["long_ttft_s"] / x["long_ttft_alone_s"] for x in runs)
-            over = sum(x["decode_gaps_over_50ms"] for x in runs)
-            gaps = sum(x["decode_gaps_during"] for x in runs)
-            lines.append(
-                f"| {r['config']} | {r['decode_itl_p99_alone_ms']:.1f} / "
-                f"{r['decode_itl_p99_during_ms']:.1f} | {itl_x:.2f} | "
-                f"{r['decode_gap_p50_during_ms']:.0f} / {r['decode_gap_p90_during_ms']:.0f} / "
-                f"{r['decode_gap_max_during_ms']:.0f} | {over} of {gaps} | "
-                f"{r['long_ttft_alone_s']:.2f} / {r['long_ttft_s']:.2f} | {ttft_x:.2f} | "
-                f"{r['long_ttft_deadline_s']:.2f}, {r['decode_itl_p99_during_deadline_ms']:.1f}, "
-                f"{met[r['config']]} of {len(runs)} |"
-            )
-        if args.trace:
-            lines += [
-                "",
-                "Rounds (step traces, medians; a round is a step and the scheduler's time until "
-                "the next, which a decode token waits for too): decode alone before the prompt, "
-                "and with the prompt's slice beside the decode tokens during its prefill.",
-                "",
-                "| config | decode-only round (ms) | round with a slice (ms) "
-                "| its slice (tokens) |",
-                "|---|---|---|---|",
-            ]
-
-            def cell(x: float, fmt: str) -> str:
-                return "none" if x != x else format(x, fmt)  # NaN: no such round
-
-            for r in med:
-                lines.append(
-                    f"| {r['config']} | {cell(r['decode_round_ms'], '.1f')} | "
-                    f"{cell(r['shared_round_ms'], '.1f')} | "
-                    f"{cell(r['shared_slice_tokens'], '.0f')} |"
-                )
+        lines += decode_report(rows_dec, med, dec_len, args.repeat, args.trace)
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
