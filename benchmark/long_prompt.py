@@ -37,7 +37,7 @@ import requests
 
 from sglang_kda.cpu.mla_attention import flops as mla_flops
 from kda_harness import launch, pyplot, read_csv, save_png, tiny_model_dir, write_csv
-from kda_harness.bench import RssSampler, find_scheduler
+from kda_harness.bench import RssSampler, find_scheduler, md_table
 from sglang_kda.cpu.mla_route import TRACE_ENV
 from sglang_kda.policy.grid import KDA_KERNEL_CHUNK as KDA_CHUNK  # the torch KDA kernel's chunk
 
@@ -346,51 +346,93 @@ def merge(out: Path) -> None:
     data["fits"] = all_fits(data["chunks"], data["prompts"])
     save(out / "fits.csv", data["fits"])
     plot(out, data["chunks"], data["prompts"], data["rss"], list(kda.values()))
-    lines = [
-        "| run | policy | chunk | prompt | status | TTFT s | scheduler CPU s | rounds | MLA s | "
-        "RSS idle MB | RSS peak MB | growth MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
     key = lambda p: (p["policy"], p["chunk_size"], p["prompt_len"], p["run"])  # noqa: E731
-    for p in sorted(data["prompts"], key=key):
-        lines.append(
-            f"| {p['run']} | {p['policy']} | {p['chunk_size']} | {p['prompt_len']} | "
-            f"{p['status']} | "
-            f"{p['ttft_s']:.1f} | {p.get('scheduler_cpu_s', float('nan')):.1f} | {p['rounds']} | "
-            f"{p['mla_wall_s']:.1f} | {p['idle_rss_mb']:.0f} | {p['peak_rss_mb']:.0f} | "
-            f"{p['growth_mb']:.0f} |"
-        )
-    lines += ["", "| policy | basis | fixed ms/round | us/token | us/token per 1k prefix |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    for f in data["fits"]:
-        lines.append(
-            f"| {f['policy']} | {f['basis']} | {f['fixed_ms']:.1f} | {f['per_token_us']:.1f} "
-            f"| {f['per_token_per_1k_prefix_us']:.2f} |"
-        )
-    lines += [
-        "",
-        "| KDA chunk | ms (all KDA layers) | nominal GFLOP | GFLOP/s |",
-        "|---|---|---|---|",
+    prompt_rows = [
+        [
+            p["run"],
+            p["policy"],
+            p["chunk_size"],
+            p["prompt_len"],
+            p["status"],
+            f"{p['ttft_s']:.1f}",
+            f"{p.get('scheduler_cpu_s', float('nan')):.1f}",
+            p["rounds"],
+            f"{p['mla_wall_s']:.1f}",
+            f"{p['idle_rss_mb']:.0f}",
+            f"{p['peak_rss_mb']:.0f}",
+            f"{p['growth_mb']:.0f}",
+        ]
+        for p in sorted(data["prompts"], key=key)
     ]
-    for c, r in sorted(kda.items()):
-        lines.append(
-            f"| {c} | {r['kda_wall_s'] * 1e3:.1f} | {r['kda_gflop']:.3f} "
-            f"| {r['kda_gflops_wall']:.1f} |"
-        )
+    fit_rows = [
+        [
+            f["policy"],
+            f["basis"],
+            f"{f['fixed_ms']:.1f}",
+            f"{f['per_token_us']:.1f}",
+            f"{f['per_token_per_1k_prefix_us']:.2f}",
+        ]
+        for f in data["fits"]
+    ]
+    kda_rows = [
+        [c, f"{r['kda_wall_s'] * 1e3:.1f}", f"{r['kda_gflop']:.3f}", f"{r['kda_gflops_wall']:.1f}"]
+        for c, r in sorted(kda.items())
+    ]
     big = {}
     for r in data["chunks"]:
-        key = (r["policy"], r["chunk_size"])
-        if r["mla_gflop"] > big.get(key, {}).get("mla_gflop", -1):
-            big[key] = r
-    lines += ["", "| policy | chunk | largest MLA call: prefix | GFLOP | wall s | GFLOP/s wall | "
-              "GFLOP/s per CPU s |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for (pol, c), r in sorted(big.items()):
-        lines.append(
-            f"| {pol} | {c} | {r['prefix']} | {r['mla_gflop']:.1f} | {r['mla_wall_s']:.2f} | "
-            f"{r['mla_gflops_wall']:.1f} | {r['mla_gflops_cpu']:.1f} |"
-        )
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        k = (r["policy"], r["chunk_size"])
+        if r["mla_gflop"] > big.get(k, {}).get("mla_gflop", -1):
+            big[k] = r
+    big_rows = [
+        [
+            pol,
+            c,
+            r["prefix"],
+            f"{r['mla_gflop']:.1f}",
+            f"{r['mla_wall_s']:.2f}",
+            f"{r['mla_gflops_wall']:.1f}",
+            f"{r['mla_gflops_cpu']:.1f}",
+        ]
+        for (pol, c), r in sorted(big.items())
+    ]
+    tables = [
+        md_table(
+            [
+                "run",
+                "policy",
+                "chunk",
+                "prompt",
+                "status",
+                "TTFT s",
+                "scheduler CPU s",
+                "rounds",
+                "MLA s",
+                "RSS idle MB",
+                "RSS peak MB",
+                "growth MB",
+            ],
+            prompt_rows,
+        ),
+        md_table(
+            ["policy", "basis", "fixed ms/round", "us/token", "us/token per 1k prefix"], fit_rows
+        ),
+        md_table(["KDA chunk", "ms (all KDA layers)", "nominal GFLOP", "GFLOP/s"], kda_rows),
+        md_table(
+            [
+                "policy",
+                "chunk",
+                "largest MLA call: prefix",
+                "GFLOP",
+                "wall s",
+                "GFLOP/s wall",
+                "GFLOP/s per CPU s",
+            ],
+            big_rows,
+        ),
+    ]
+    text = "\n\n".join(tables)
+    (out / "summary.md").write_text(text + "\n")
+    print(text)
 
 
 def main() -> int:

@@ -32,9 +32,10 @@ stream's worst gap then, p50/p90/max over streams), at chunk
 8192 and 16384 (SGLang's default on GPUs over 96 GB); stock references.
 
 ``concurrent`` (item 2): two 500K-token prompts arriving 1 s apart, prefilled one after the other
-(what the scheduler does: one chunked request per round; checked against the simulator) against
-both in every round (priced by ``KimiLinearH200.predict`` on a round with two slices), and the
-tokens a round of a given time budget prefills with one slice or two.
+(what the scheduler does: one chunked request per round; the simulator's engine runs it) against
+both in every round (a schedule the engine does not model: its rounds priced by
+``KimiLinearH200.predict`` on two slices), and the tokens a round of a given time budget
+prefills with one slice or two.
 """
 
 from __future__ import annotations
@@ -685,28 +686,65 @@ def serial_term_throughput_aware(model: KimiLinearH200, slices: Sequence[Slice])
     return max(serial, thru) * C.KDA_LAYERS
 
 
+def aware_extra(model: KimiLinearH200, slices: Sequence[Slice]) -> float:
+    """What :func:`serial_term_throughput_aware` adds to ``model.predict``'s chain term."""
+    steps = max(kda_steps_abs(s.prefix, s.extend) for s in slices)
+    return serial_term_throughput_aware(model, slices) - steps * C.KDA_LAYERS * model.kda_chunk_s()
+
+
 def round_cost(model: KimiLinearH200, slices: Sequence[Slice], aware: bool) -> float:
+    """A prefill-only round of ``slices``: ``model.predict``, with ``aware`` the
+    throughput-aware chain."""
     t = model.predict(BatchShape((), tuple(slices)))
-    if aware:
-        steps = max(kda_steps_abs(s.prefix, s.extend) for s in slices)
-        t += (
-            serial_term_throughput_aware(model, slices) - steps * C.KDA_LAYERS * model.kda_chunk_s()
-        )
-    return t
+    return t + aware_extra(model, slices) if aware else t
 
 
-def run_rounds(
+@dataclass(frozen=True)
+class Pricing:
+    """The cost model the simulator's engine runs here: ``model.predict``, with ``aware`` the
+    throughput-aware chain. It has no ``for_policy``, so the engine prices every policy's rounds
+    with ``model`` as it is (fla's kernel, as :func:`together`'s rounds)."""
+
+    model: KimiLinearH200
+    aware: bool = False
+
+    def predict(self, shape: BatchShape) -> float:
+        t = self.model.predict(shape)
+        return t + aware_extra(self.model, shape.slices) if self.aware and shape.slices else t
+
+
+def one_after_the_other(
+    model: KimiLinearH200, prompts: Sequence[tuple[float, int]], chunk: int, aware: bool = False
+) -> tuple[list[float], int, float]:
+    """Today's schedule on the simulator's engine: ``prompts`` ((arrival, tokens), ...) on an
+    otherwise idle rank under SGLang's scheduler (one unfinished chunked request per round; a
+    round that finishes one prompt fills its chunk budget with the next). Returns the TTFTs,
+    the rounds and the longest round."""
+    tr = T.Trace(
+        [
+            T.TraceRequest(f"p{i}", 1, t=a, segments=((f"doc{i}", n),))
+            for i, (a, n) in enumerate(prompts)
+        ],
+        vocab=VOCAB,
+        name="pair",
+    )
+    res = simulate(tr, STOCK.config(chunk), Pricing(model, aware), record_rounds=True)
+    by = {r.rid: r for r in res.requests}
+    rank = res.ranks[0]
+    longest = max(rr.end - rr.start for rr in rank.rounds)
+    return [by[f"p{i}"].ttft for i in range(len(prompts))], rank.n_rounds, longest
+
+
+def together(
     model: KimiLinearH200,
     prompts: Sequence[tuple[float, int]],
     per_slice: int,
-    together: bool,
     aware: bool = False,
 ) -> tuple[list[float], int, float]:
-    """Prefill ``prompts`` ((arrival, tokens), ...) on an otherwise idle rank. ``together``:
-    every arrived unfinished prompt takes a slice of ``per_slice`` tokens each round (cut on the
-    64-token grid); else one prompt per round in arrival order (today's scheduler). Returns the
-    TTFTs (end of the round that finishes each prompt, from its arrival), the rounds and the
-    longest round."""
+    """A schedule the engine does not model (SGLang holds one unfinished chunked request per
+    round): every arrived unfinished prompt of ``prompts`` takes a slice of ``per_slice`` tokens
+    (cut on the 64-token grid) in every round on an otherwise idle rank, each round priced by
+    :func:`round_cost`. Returns what :func:`one_after_the_other` does."""
     done = [0] * len(prompts)
     finish = [math.nan] * len(prompts)
     now, rounds, longest = 0.0, 0, 0.0
@@ -715,13 +753,10 @@ def run_rounds(
         if not live:
             now = min(a for i, (a, n) in enumerate(prompts) if done[i] < n)
             continue
-        if not together:
-            live = live[:1]
         sl = []
         for i in live:
             n = prompts[i][1]
-            take = min(per_slice, n - done[i])
-            end = done[i] + take
+            end = min(done[i] + per_slice, n)
             if end < n:
                 end = end // PAGE * PAGE
             sl.append((i, Slice(done[i], end - done[i])))
@@ -755,28 +790,17 @@ def exp_concurrent(args) -> None:
     n = args.pair_tokens
     prompts = [(0.0, n), (args.pair_gap_s, n)]
     rows = []
-    # Today's scheduler in the simulator: one chunked request per round, the second waits.
-    tr = T.Trace(
-        [
-            T.TraceRequest("a", 1, t=prompts[0][0], segments=(("docA", n),)),
-            T.TraceRequest("b", 1, t=prompts[1][0], segments=(("docB", n),)),
-        ],
-        vocab=VOCAB,
-        name="pair",
-    )
     for chunk in args.pair_chunks:
-        res = simulate(tr, KDA.config(chunk), model)
-        by = {r.rid: r for r in res.requests}
-        sim = [by["a"].ttft, by["b"].ttft]
         for aware in (False, True):
-            one = run_rounds(model, prompts, chunk, together=False, aware=aware)
             for label, per, tog in (
                 ("one after the other", chunk, False),
                 (f"together, {chunk} each", chunk, True),
                 (f"together, {chunk // 2} each", chunk // 2, True),
             ):
                 ttft, rounds, longest = (
-                    one if not tog else run_rounds(model, prompts, per, together=True, aware=aware)
+                    together(model, prompts, per, aware)
+                    if tog
+                    else one_after_the_other(model, prompts, chunk, aware)
                 )
                 rows.append(
                     {
@@ -789,15 +813,12 @@ def exp_concurrent(args) -> None:
                         "makespan_s": max(ttft[0], ttft[1] + prompts[1][0]),
                         "rounds": rounds,
                         "longest_round_ms": longest * 1e3,
-                        "sim_ttft_a_s": sim[0] if not tog else "",
-                        "sim_ttft_b_s": sim[1] if not tog else "",
                     }
                 )
                 print(
                     f"[concurrent] chunk {chunk} {rows[-1]['pricing']:16s} {label:24s} TTFT A "
                     f"{ttft[0]:.2f} s B {ttft[1]:.2f} s mean {sum(ttft) / 2:.2f} s, longest round "
-                    f"{longest * 1e3:.0f} ms"
-                    + (f" (simulator: {sim[0]:.2f} / {sim[1]:.2f})" if not tog else ""),
+                    f"{longest * 1e3:.0f} ms",
                     flush=True,
                 )
     # What a round costs with one slice vs two, and what a time budget buys.
@@ -847,8 +868,6 @@ def exp_concurrent(args) -> None:
         ("ttft_mean_s", "mean (s)", "{:.2f}"),
         ("makespan_s", "both done at (s)", "{:.2f}"),
         ("longest_round_ms", "longest round (ms)", "{:.0f}"),
-        ("sim_ttft_a_s", "simulator A (s)", "{:.2f}"),
-        ("sim_ttft_b_s", "simulator B (s)", "{:.2f}"),
     )
     pcols = (
         ("prefix", "slice start", "{}"),
@@ -887,7 +906,8 @@ def exp_concurrent(args) -> None:
         "## (C) Two long prefills in flight (issue 20 item 2)\n\n"
         f"Two {n:,}-token prompts, A at 0 s and B at {args.pair_gap_s:g} s, on an idle TP8 "
         "rank (no decode). *One after the other*: today's scheduler (one chunked request per "
-        "round; the simulator's kda run agrees, last columns); *together*: every round carries "
+        "round), run on the simulator's engine (`sglang_kda.sim.engine`, SGLang's scheduler); "
+        "*together*, a schedule the engine does not model: every round carries "
         "a slice of each prompt, either a whole chunk each (the round has twice the tokens) or "
         "half a chunk each (same tokens per round). Pricing: `KimiLinearH200.predict` on the "
         "round's slices (the KDA chain term is the longest slice's, the slices' chains running "
@@ -902,9 +922,9 @@ def exp_concurrent(args) -> None:
         "TP8 a GPU holds 4 of the 32 KDA heads, so two sequences are 8 chunk-heads per step, "
         "8 x 0.218 = 1.75 us, under the 1.9 us chain; it would bind from three sequences at "
         "TP8 (2.6 us), and at TP1 for any two (one sequence alone is already throughput-bound "
-        "there: 32 x 0.218 = 7.0 us). The simulator's A finishes 0.07 s later than the "
-        "analytic one: the round that finishes A also carries B's first slice (SGLang fills the "
-        "chunk budget with the next waiting request).\n\n"
+        "there: 32 x 0.218 = 7.0 us). One after the other, the round that finishes A "
+        "also carries B's first slice (SGLang fills the chunk budget with the next waiting "
+        "request).\n\n"
         "A round's cost, one slice vs two (8192 tokens each):\n\n"
         f"{columns_table(parts, pcols)}\n\nPrefill tokens a round of a fixed time budget (the "
         "serial budget's regime) takes with one slice or two:\n\n"

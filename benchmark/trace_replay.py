@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import kda_harness as H
+from kda_harness.bench import md_table
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
 from sglang_kda.sim import mooncake
 
@@ -427,6 +428,27 @@ def _cell(x, fmt: str) -> str:
     return format(x, fmt)
 
 
+def _summary_cells(s: dict) -> list[str]:
+    """One policy's row of the summary table."""
+    ckpt = (
+        f"{s['server_checkpoints_admitted']:,} / {s['checkpoints_held']} / "
+        f"{s['server_checkpoints_evicted']}"
+        if "checkpoints_held" in s
+        else "none (no checkpoint cache)"
+    )
+    return [
+        s["policy"],
+        f"{s['finished']} / {s['requests']}",
+        f"{s['computed_tokens']:,} ({_cell(s['computed_x_ideal'], '.2f')})",
+        f"{_cell(s['ttft_p50_s'], '.2f')} / {_cell(s['ttft_p99_s'], '.2f')}",
+        f"{s['ttft_over_1s']:.0%}",
+        f"{s['ttft_over_10s']:.0%}",
+        _cell(s["itl_p99_ms"], ".0f"),
+        " / ".join(_cell(s[k], ".0f") for k in GAP_KEYS),
+        ckpt,
+    ]
+
+
 def markdown(summaries: Sequence[dict], setup: dict, command: str) -> str:
     lines = [
         "# Mooncake conversation trace, replayed (issue 30)",
@@ -443,28 +465,20 @@ def markdown(summaries: Sequence[dict], setup: dict, command: str) -> str:
         f"{setup['ideal_computed']:,} ({setup['ideal_computed'] / setup['prompt_tokens']:.1%}); "
         f"{setup['output_tokens']:,} output tokens asked for.",
         "",
-        "| policy | finished / sent | prefill computed (x ideal) | TTFT p50 / p99 (s) | "
-        "TTFT > 1 s | > 10 s | decode ITL p99 (ms) | worst gap p50 / p90 / max (ms) | "
-        "checkpoints admitted / held at end / evicted (counter) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summaries:
-        ckpt = (
-            f"{s['server_checkpoints_admitted']:,} / {s['checkpoints_held']} / "
-            f"{s['server_checkpoints_evicted']}"
-            if "checkpoints_held" in s
-            else "none (no checkpoint cache)"
-        )
-        lines.append(
-            f"| {s['policy']} | {s['finished']} / {s['requests']} | "
-            f"{s['computed_tokens']:,} ({_cell(s['computed_x_ideal'], '.2f')}) | "
-            f"{_cell(s['ttft_p50_s'], '.2f')} / {_cell(s['ttft_p99_s'], '.2f')} | "
-            f"{s['ttft_over_1s']:.0%} | {s['ttft_over_10s']:.0%} | "
-            f"{_cell(s['itl_p99_ms'], '.0f')} | "
-            + " / ".join(_cell(s[k], ".0f") for k in GAP_KEYS)
-            + f" | {ckpt} |"
-        )
-    lines += [
+        md_table(
+            [
+                "policy",
+                "finished / sent",
+                "prefill computed (x ideal)",
+                "TTFT p50 / p99 (s)",
+                "TTFT > 1 s",
+                "> 10 s",
+                "decode ITL p99 (ms)",
+                "worst gap p50 / p90 / max (ms)",
+                "checkpoints admitted / held at end / evicted (counter)",
+            ],
+            (_summary_cells(s) for s in summaries),
+        ),
         "",
         "Prefill computed: prompt tokens minus SGLang's `meta_info.cached_tokens`, summed over "
         "finished requests (x ideal only when all finished). TTFT shares count a request that "
