@@ -18,7 +18,7 @@ Every configuration runs the same trace with ``--chunked-prefill-size 8192`` (#3
 stock, stock + ``--enable-mixed-chunk``, this project's policy without the budget
 (``--kda-budget off``) and with the serial budget at candidate default ITL targets (the
 launcher's default since issue 20.3: max(50 ms, 2x the predicted decode step)). The
-simulator runs the same round code as the server (``sglang_kda.policy.round``). Reported: the
+simulator runs the same round code as the server (``sglang_kda.policy.plan``). Reported: the
 share of short requests waiting over 1 s and over 60 s for their first token, their TTFT
 p50/p99, decode ITL p50/p99/max over the gaps that overlap a long prefill (and p99 over the
 whole run, with each request's worst gap over the run beside it: ``gap_p50_ms``, ``gap_p90_ms``,
@@ -58,6 +58,7 @@ from kda_harness.bench import gaps_overlapping, md_table
 from sglang_kda.numbers import GAP_KEYS, gaps_text, percentile, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig, round_budget
 from sglang_kda.policy.cost_model import BatchShape, Slice
+from sglang_kda.policy.grid import longest_fit
 from sglang_kda.sim import costs as C
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200, kda_steps_abs, prefill_alone
@@ -774,14 +775,14 @@ def together(
 def tokens_in_budget(model, prefix: int, budget_s: float, n_slices: int, aware: bool) -> int:
     """Prefill tokens a round of ``budget_s`` (no decode) takes with ``n_slices`` equal slices,
     each starting at ``prefix`` (to the token: the cost ratio, not the grid's rounding)."""
-    lo, hi = 0, 1 << 17
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if round_cost(model, [Slice(prefix, mid)] * n_slices, aware) <= budget_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * n_slices
+    n = longest_fit(
+        0,
+        0,
+        1 << 17,
+        1,
+        lambda t: round_cost(model, [Slice(prefix, t)] * n_slices, aware) <= budget_s,
+    )
+    return n * n_slices
 
 
 def exp_concurrent(args) -> None:

@@ -8,10 +8,11 @@ the third prompt of :data:`THREE` killed the scheduler (``checkpoint_into_tree``
 ``cache_protected_len <= len(new_indices)``), and the grid checkpoints inside every non-final
 chunk never reached the tree (a prompt sharing 200 tokens with a 740-token one cached 0).
 
-The same prompts run under the ``no_buffer`` option too (no overlap scheduler), with the same
-counts. Each case runs on its own server (``--kda-debug-integrity on``: the integrity walk after
-every prefill step) and checks answers against the float64 reference and cached-token counts
-against what the grid predicts.
+The same prompts run under the ``no_buffer`` option too (no overlap scheduler), and on SGLang's
+Python tree core (the launcher's choice under torch older than 2.13, the H200 image's 2.11), with
+the same counts. Each case runs on its own server (``--kda-debug-integrity on``: the integrity
+walk after every prefill step) and checks answers against the float64 reference and cached-token
+counts against what the grid predicts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import random
 
 import pytest
 from harness import assert_matches_reference, generate, reference_greedy, start_server
+
+from sglang_kda.compat import TREE_CORE_ENV
 
 pytestmark = pytest.mark.server
 
@@ -46,6 +49,12 @@ CASES = {
         ["--chunked-prefill-size", "-1", "--kda-checkpoint-every", "256"],
         UNCHUNKED,
     ),
+    # SGLang's Python tree core, which the launcher picks under the H200 image's torch 2.11
+    # (compat.tree_core_env): the same prompts, the same counts
+    "python-tree-chunk256": (
+        ["--chunked-prefill-size", "256"],
+        THREE + OFF_GRID_IN_FIRST_CHUNK[1:],
+    ),
     # the option: no_buffer without the overlap scheduler, same prompts, same counts
     "no_buffer-chunk256": (
         ["--mamba-radix-cache-strategy", "no_buffer", "--chunked-prefill-size", "256"],
@@ -63,7 +72,9 @@ def ref(tiny_model_dir):
 def case(request, tmp_path_factory, tiny_model_dir):
     flags, prompts = CASES[request.param]
     base = ["--kda-policy", "kda", "--kda-debug-integrity", "on"]
-    srv = start_server(tmp_path_factory, tiny_model_dir, f"gpu-shape-{request.param}", base + flags)
+    env = {TREE_CORE_ENV: "python"} if request.param.startswith("python-tree") else None
+    name = f"gpu-shape-{request.param}"
+    srv = start_server(tmp_path_factory, tiny_model_dir, name, base + flags, env=env)
     yield srv, prompts, not request.param.startswith("no_buffer")
     srv.stop()
 
