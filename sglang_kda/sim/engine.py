@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 
 from sglang_kda.cache import eviction as eviction_mod
 from sglang_kda.cache import probe as probe_mod
+from sglang_kda.cache.tree_api import grid_positions
 from sglang_kda.config import KDAConfig, budget_config
 from sglang_kda.sim.tree import RadixTree
 
@@ -581,9 +582,7 @@ class Rank:
             unfinished = e < len(r.ids)
             marks = []
             if cfg.kda:
-                every = cfg.spacing
-                first = (s // every + 1) * every
-                marks = list(range(first, e + 1, every))
+                marks = grid_positions(s, e - s, cfg.spacing)
             if unfinished:
                 marks.append(e)  # SGLang's chunk-end stash
             if cfg.page_size > 1:  # the tree is paged: a state off a page boundary has no node

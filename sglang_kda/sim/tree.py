@@ -758,10 +758,9 @@ class RadixTree:
     def _pick_by_rule(self, n: int) -> int:
         """:func:`eviction.pick_victims` on the unlocked checkpoints, without building them.
 
-        Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all times
-        are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha * v /
-        vmax`` plus the bonus (``eviction.BONUS``: branch end, above a branch end, fork); lowest
-        score, then oldest, then shallowest. ``v`` grows with the gap, so ``vmax`` is the largest
+        Per pick, the rule's own score (``eviction.score`` of ``eviction.serial_steps`` per byte,
+        plus ``eviction.BONUS``: branch end, above a branch end, fork); lowest score, then oldest,
+        then shallowest. ``v`` grows with the gap, so ``vmax`` is the largest
         gap's; among checkpoints with equal gaps and equal bonus the oldest (then the shallowest)
         scores lowest, so only each key's oldest is scored (the unlocked checkpoints are filed by
         :meth:`_key`, (branch end?, above a branch end?, fork?, gap), oldest first).
@@ -774,21 +773,18 @@ class RadixTree:
         alpha = self.alpha
         bonus = eviction_mod.BONUS
         bonused = bool(bonus.end or bonus.above_end or bonus.fork)
+        score, steps = eviction_mod.score, eviction_mod.serial_steps
         done = 0
         while done < n and self._gaps:
             tops = [(k, self._oldest(k)) for k in self._gaps]
             lo = min(x.state_access for _, x in tops)
             hi = next(x for x in reversed(self._ckpts) if x.lock_own == 0).state_access
-            span = hi - lo
-            vmax = max(max(k[-1] for k in self._gaps), 0) / grid * per / nbytes
+            vmax = steps(max(k[-1] for k in self._gaps), per, grid) / nbytes
             best = None
             for (end, above, fork, g), x in tops:
-                rec = (x.state_access - lo) / span if span > 0 else 1.0
-                v = max(g, 0) / grid * per / nbytes
-                score = rec + alpha * (v / vmax if vmax > 0 else 0.0)
-                if bonused:
-                    score = score + bonus.of(end, above, fork)
-                key = (score, x.state_access, x.depth)
+                v = steps(g, per, grid) / nbytes
+                bon = bonus.of(end, above, fork) if bonused else 0.0
+                key = (score(x.state_access, lo, hi, v, vmax, alpha, bon), x.state_access, x.depth)
                 if best is None or key < best[0]:
                     best = (key, x)
             self._shed(best[1])
