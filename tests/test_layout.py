@@ -101,3 +101,14 @@ def test_the_package_imports_run_one_way():
 
 def test_the_cycle_check_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_cache_imports_nothing_above_it():
+    """``cache/`` sits below the admission wiring and the launcher (issue 38): what both sides
+    need lives below them (``sglang_kda.state``, ``sglang_kda.model_config``)."""
+    above = ("sglang_kda.wiring", "sglang_kda.launch_server")
+    for path in (REPO / "sglang_kda" / "cache").glob("*.py"):
+        for m in _imported(path):
+            assert not any(m == a or m.startswith(a + ".") for a in above), (
+                f"cache/{path.name} imports {m}"
+            )

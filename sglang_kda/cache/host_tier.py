@@ -310,9 +310,9 @@ def model_context_length() -> int:
         bag = get_model()
         if bag.context_length:
             return int(bag.context_length)
-        from sglang_kda.launch_server import _model_config_json
+        from sglang_kda.model_config import model_config_json
 
-        cfg = _model_config_json(str(bag.model_path)) or {}
+        cfg = model_config_json(str(bag.model_path)) or {}
         cfg = cfg.get("text_config", cfg)
         return int(cfg.get("max_position_embeddings") or 0)
     except Exception:  # noqa: BLE001 - no resolved model config (unit use)

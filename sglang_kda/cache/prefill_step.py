@@ -21,7 +21,6 @@ from sglang_kda.cache.capture import ForwardCapture
 from sglang_kda.cache.eviction import parse_eviction
 from sglang_kda.cache.stats import STATS
 from sglang_kda.config import KDAConfig
-from sglang_kda.wiring.adder import slices_processed
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,8 @@ class AfterPrefill:
                 tree_cache, self.config.checkpoint_pool_size, self.alpha
             )
             STATS.set_held(held, held * nbytes)
-        slices_processed(tree_cache, reqs)  # the twin rule's pending leaders (overlap scheduler)
+        # the twin rule's pending leaders (overlap scheduler)
+        state.slices_processed(tree_cache, reqs)
         if faults.AFTER_PREFILL and tree_cache.supports_mamba():
             faults.after_prefill(tree_cache, reqs)
         if self.debug and tree_cache.supports_mamba():

@@ -18,9 +18,9 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang_kda.cache.stats import STATS
-from sglang_kda.policy.adder import AdderRound, PassBook, adder_grid
+from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.policy.admission import Leader
-from sglang_kda.state import RECENT_CUTS
+from sglang_kda.state import RECENT_CUTS, pass_book
 
 # The serial budget's share for the in-flight request in the round being built, (keep, cap)
 # (:func:`sglang_kda.policy.round.make_room`): set by :func:`sglang_kda.wiring.budget.round_inputs`
@@ -34,21 +34,6 @@ def record(st: AdderRound) -> None:
     for name, n in counts.items():
         STATS.add(name, n)
     RECENT_CUTS.extend(cuts)
-
-
-def pass_book(tree_cache: Any) -> PassBook:
-    """The tree cache's :class:`PassBook` (one per scheduler)."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is None:
-        book = tree_cache._kda_pass_book = PassBook()
-    return book
-
-
-def slices_processed(tree_cache: Any, reqs: Iterable[Any]) -> None:
-    """A prefill step's result was processed (its checkpoints inserted): update the book."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is not None:
-        book.processed(reqs)
 
 
 def leader_of(req: Any) -> Leader:
