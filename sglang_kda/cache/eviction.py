@@ -34,7 +34,7 @@ workloads at small caps, where a strict tier for branch ends lost to stock).
 ``alpha = 1``) or a number ``alpha >= 0``.
 
 :class:`StateBook` is the record of which tree nodes hold a state and when each was last used
-(the Rust tree core exposes neither); the wiring lives in :mod:`sglang_kda.cache.checkpoints`.
+(the Rust tree core exposes neither); the wiring lives in :mod:`sglang_kda.cache.evict_drive`.
 Plain Python; no SGLang import.
 """
 

@@ -1,7 +1,7 @@
 """A plain-Python radix tree of token prefixes with KV on every node and KDA checkpoints on some.
 
 In the server the tree is SGLang's ``UnifiedRadixCache`` (Rust core) fed with grid checkpoints by
-:mod:`sglang_kda.cache.checkpoints`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
+:mod:`sglang_kda.cache.insert`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
 model of it that runs without tensors or SGLang; this is it, with the same rules:
 
 * A node holds the KV of its edge (the tokens from its parent's end to its own end); the path

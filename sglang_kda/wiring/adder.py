@@ -159,10 +159,10 @@ def commit_admission(st: AdderRound, adder: Any, req: Any, admission: Any) -> No
 def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
     """The in-flight chunked request through upstream's ``PrefillAdder.add_chunked_req``
     (``add(adder, req)``): first it jumps to the deepest checkpoint cached meanwhile
-    (:func:`sglang_kda.cache.checkpoints.resume_in_flight`) and its prefix is noted for the cut;
+    (:func:`sglang_kda.cache.resume.resume_in_flight`) and its prefix is noted for the cut;
     if it stays chunked (running this round or parked), the round holds it."""
     if st.grid > 1:
-        from sglang_kda.cache.checkpoints import resume_in_flight
+        from sglang_kda.cache.resume import resume_in_flight
 
         resume_in_flight(adder.tree_cache, req)
     st.prefix_len = req.prefix_len
