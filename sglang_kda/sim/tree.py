@@ -578,16 +578,52 @@ class RadixTree:
             if not node.children and node is not self.root:
                 self._push(self._lru_leaf, node)
 
-    def enforce_caps(self) -> None:
+    def enforce_caps(self) -> int:
         """Evict down to the caps (checkpoints by the tree's rule, KV by LRU). With a host
         tier, first the host frees the slots the new states' copies took (write-through: the
-        device's states and the host-only ones share the host pool)."""
+        device's states and the host-only ones share the host pool). Returns the checkpoints
+        held."""
         if self.n_host and self.n_host + self.n_checkpoints > self.host_checkpoints:
             self._host_evict(self.n_host + self.n_checkpoints - self.host_checkpoints)
         if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
             self.evict(checkpoints=self.n_checkpoints - self.max_checkpoints)
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
             self.evict(tokens=self.n_tokens - self.max_tokens)
+        return self.n_checkpoints
+
+    # -- the scheduler's interface (sglang_kda.cache.tree_api.CheckpointTree) ------------------
+    # A request here is anything with ``ids`` (its prompt), ``prefix`` (prompt tokens done) and
+    # ``node`` (the node it locks, or None), as the simulator's SimReq; its match limit is
+    # ``len(ids) - 1`` (the last prompt token is always computed).
+    def probe(self, req) -> int:
+        """What the admission match would grant ``req`` now, without touching the tree (no
+        recency, no host promotion): the deepest device checkpoint on its path within its
+        limit, as :func:`sglang_kda.cache.probe.cached_prefix` reads the server's."""
+        limit = len(req.ids) - 1
+        return max((d for d in self.checkpoint_positions(req.ids) if d <= limit), default=0)
+
+    def relock(self, req, node: Node) -> None:
+        """``req``'s lock moves to ``node``."""
+        self.lock(node)
+        if req.node is not None:
+            self.unlock(req.node)
+        req.node = node
+
+    def resume(self, req) -> int:
+        """The in-flight chunked ``req`` re-matches from the node it locks and jumps to the
+        deepest checkpoint past its progress (its ``prefix`` and lock move there); returns the
+        tokens skipped."""
+        m = self.match(req.ids, len(req.ids) - 1, start=req.node)
+        if m.length <= req.prefix:
+            return 0
+        skipped = m.length - req.prefix
+        req.prefix = m.length
+        self.relock(req, m.node)
+        return skipped
+
+    def check(self, live) -> dict:
+        """:meth:`integrity`, expecting one lock per ``live`` request that holds one."""
+        return self.integrity(expected_locks=sum(1 for r in live if r.node is not None))
 
     def evict(self, checkpoints: int = 0, tokens: int = 0) -> tuple[int, int]:
         """Evict at least ``checkpoints`` checkpoints (by the tree's rule: LRU, or
