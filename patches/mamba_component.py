@@ -11,16 +11,16 @@ Why: the checkpoint cache inserts states at grid positions *inside* a prefill sl
     forward (:mod:`sglang_kda.cache.capture`). Eviction by recency and serial work saved
     (``--kda-eviction``) needs to know which nodes hold states and when each was last used,
     which the Rust tree core does not expose.
-How: while :func:`sglang_kda.cache.checkpoints.insert_checkpoints` inserts a captured checkpoint
+How: while :func:`sglang_kda.cache.insert.insert_checkpoints` inserts a captured checkpoint
     it marks the request (``req._kda_checkpoint``); for such an insert the wrapper stores a
-    fresh slot filled with that checkpoint (:func:`~sglang_kda.cache.checkpoints.
+    fresh slot filled with that checkpoint (:func:`~sglang_kda.cache.insert.
     prepare_checkpoint` -> ``write_checkpoint_slot``, which may evict a tree state by the
     ``--kda-eviction`` rule), or caches nothing (returns 0) when no slot can be had. Every other
     insert is upstream's, except that one reaching only inside the request's protected prefix
     (already in the tree with grid states) caches nothing
-    (:func:`~sglang_kda.cache.checkpoints.behind_protected`). After each insert and each
+    (:func:`~sglang_kda.cache.insert.behind_protected`). After each insert and each
     admission match, the node holding the state is noted in the state book
-    (:func:`~sglang_kda.cache.checkpoints.note_insert` / ``note_match``); after each insert
+    (:func:`~sglang_kda.cache.evict_drive.note_insert` / ``note_match``); after each insert
     of SGLang's own the tree is brought back under ``--kda-checkpoint-pool-size`` (the
     prefill-step check runs before SGLang's prompt-end and finish inserts). Only with
     ``--kda-policy kda``.
@@ -48,7 +48,7 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.cache import checkpoints as cp
+    from sglang_kda.cache import evict_drive, insert
     from sglang_kda.cache.eviction import parse_eviction
 
     cls = importlib.import_module(UPSTREAM).MambaComponent
@@ -62,24 +62,24 @@ def apply(ctx) -> None:
 
     @functools.wraps(orig)
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        if not cp.checkpoint_insert(req, is_finished):
+        if not insert.checkpoint_insert(req, is_finished):
             out = orig(self, req, insert_params, token_ids_len, is_finished)
-            return cp.behind_protected(req, out)
-        return cp.prepare_checkpoint(self.cache, req, insert_params, token_ids_len, alpha)
+            return insert.behind_protected(req, out)
+        return insert.prepare_checkpoint(self.cache, req, insert_params, token_ids_len, alpha)
 
     @functools.wraps(orig_cleanup)
     def cleanup_after_caching_req(self, req, is_finished, *args, **kwargs):
         out = orig_cleanup(self, req, is_finished, *args, **kwargs)
         result = kwargs.get("insert_result", args[0] if args else None)
         params = kwargs.get("insert_params", args[1] if len(args) > 1 else None)
-        ours = cp.checkpoint_insert(req, is_finished)
-        cp.note_insert(self, result, is_finished, cap, alpha, params, ours)
+        ours = insert.checkpoint_insert(req, is_finished)
+        evict_drive.note_insert(self, result, is_finished, cap, alpha, params, ours)
         return out
 
     @functools.wraps(orig_finalize)
     def finalize_match_result_in_cache(self, params, result):
         result = orig_finalize(self, params, result)
-        cp.note_match(self, params, result)
+        evict_drive.note_match(self, params, result)
         return result
 
     for fn in (prepare_for_caching_req, cleanup_after_caching_req, finalize_match_result_in_cache):

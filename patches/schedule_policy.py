@@ -22,7 +22,7 @@ How: each adder gets an :class:`sglang_kda.policy.adder.AdderRound` (``_kda``), 
     request turned down keeps its place in the queue; the state slot its match staged is given back,
     so requests behind it are still considered. Before ``add_chunked_req`` cuts the next chunk, the
     in-flight request jumps to the deepest checkpoint cached meanwhile
-    (:func:`sglang_kda.cache.checkpoints.resume_in_flight`). ``shortest_prefill_chunk_limit``
+    (:func:`sglang_kda.cache.resume.resume_in_flight`). ``shortest_prefill_chunk_limit``
     returns :func:`sglang_kda.policy.slices.make_room`'s limit under every schedule policy, so
     waiting requests that fit whole enter beside a long prompt (the serial budget's wrapper passes
     its planned share for the call: :data:`sglang_kda.wiring.adder.ROUND_SHARE`). Only with

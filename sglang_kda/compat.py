@@ -248,7 +248,7 @@ def _state_pool_variants(server_args: Any, policy_kda: bool) -> list[Refusal]:
     if not policy_kda:
         return []
     # --enable-int8-mamba-checkpoint is supported: grid checkpoints are quantised into SGLang's
-    # int8 checkpoint pool (sglang_kda/cache/checkpoints.py, _write_int8_checkpoint).
+    # int8 checkpoint pool (sglang_kda/cache/insert.py, _write_int8_checkpoint).
     out = []
     if getattr(server_args, "mamba_radix_cache_strategy", None) == "extra_buffer_lazy":
         out.append(

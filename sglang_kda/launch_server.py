@@ -26,6 +26,7 @@ from typing import Optional
 from sglang_kda import _boot
 from sglang_kda import config as kda_config
 from sglang_kda.config import ConfigError, KDAConfig
+from sglang_kda.model_config import model_config_json
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -428,21 +429,6 @@ def cuda_track_interval(config: KDAConfig, server_args, argv: list[str]) -> Opti
     return every
 
 
-def _model_config_json(model_path: str, revision=None) -> dict | None:
-    """The model's ``config.json`` (a local directory, else the hub's copy SGLang fetches too)."""
-    local = Path(model_path) / "config.json"
-    try:
-        if local.is_file():
-            return json.loads(local.read_text())
-        from huggingface_hub import hf_hub_download
-
-        return json.loads(
-            Path(hf_hub_download(model_path, "config.json", revision=revision)).read_text()
-        )
-    except Exception:  # noqa: BLE001 - no config: the grid spacing stays
-        return None
-
-
 def resolved(server_args, field: str):
     """A field of ``server_args`` as SGLang's resolution left it (its own reader: the last
     declaration, else the user's value); plain attributes for objects that are not SGLang's."""
@@ -489,7 +475,7 @@ def cuda_checkpoint_plan(config: KDAConfig, server_args) -> tuple[KDAConfig, str
 
     if hasattr(server_args, "resolve_once"):
         server_args.resolve_once()
-    model = _model_config_json(server_args.model_path, getattr(server_args, "revision", None))
+    model = model_config_json(server_args.model_path, getattr(server_args, "revision", None))
     if not model or "linear_attn_config" not in model:
         return config, "no Kimi-Linear config.json found: checkpoints on the grid"
     chunk = resolved(server_args, "chunked_prefill_size")

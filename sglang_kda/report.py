@@ -129,12 +129,8 @@ def cache_report(scheduler, walk_under_load: bool = False) -> dict:
     ``walk_under_load`` (``--kda-debug-integrity on``): it reads every tree state's slot to
     the host, which on CUDA waits for the scheduler's stream, so a server under load does not
     pay it on every ``/server_info``; the report then says so (``ok`` None, ``skipped``)."""
-    from sglang_kda.cache.checkpoints import (
-        IntegrityError,
-        held_states,
-        integrity_report,
-        state_nbytes,
-    )
+    from sglang_kda.cache.evict_drive import held_states, state_nbytes
+    from sglang_kda.cache.integrity import IntegrityError, integrity_report
     from sglang_kda.cache.stats import STATS
 
     tree = getattr(scheduler, "tree_cache", None)

@@ -149,3 +149,14 @@ def test_the_io_check_sees_io():
     assert sorted(_io_uses(source)) == sorted(
         ["import os", "from pathlib import", "import json", "open()", "np.save", ".environ"]
     )
+
+
+def test_the_cache_imports_nothing_above_it():
+    """``cache/`` sits below the admission wiring and the launcher (issue 38): what both sides
+    need lives below them (``sglang_kda.state``, ``sglang_kda.model_config``)."""
+    above = ("sglang_kda.wiring", "sglang_kda.launch_server")
+    for path in (REPO / "sglang_kda" / "cache").glob("*.py"):
+        for m in _imported(path):
+            assert not any(m == a or m.startswith(a + ".") for a in above), (
+                f"cache/{path.name} imports {m}"
+            )

@@ -20,14 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-
-def grid_positions(prefix_len: int, extend_len: int, every: int) -> list[int]:
-    """Absolute positions ``p`` with ``p % every == 0`` and ``prefix_len < p <= prefix_len +
-    extend_len``: where a slice starting after ``prefix_len`` tokens emits checkpoints."""
-    if every <= 0:
-        raise ValueError("every must be positive")
-    first = (prefix_len // every + 1) * every
-    return list(range(first, prefix_len + extend_len + 1, every))
+from sglang_kda.cache.tree_api import grid_positions
 
 
 def conv_windows(

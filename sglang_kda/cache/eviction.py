@@ -34,7 +34,7 @@ workloads at small caps, where a strict tier for branch ends lost to stock).
 ``alpha = 1``) or a number ``alpha >= 0``.
 
 :class:`StateBook` is the record of which tree nodes hold a state and when each was last used
-(the Rust tree core exposes neither); the wiring lives in :mod:`sglang_kda.cache.checkpoints`.
+(the Rust tree core exposes neither); the wiring lives in :mod:`sglang_kda.cache.evict_drive`.
 Plain Python; no SGLang import.
 """
 
@@ -65,16 +65,10 @@ class Bonus:
     above_end: float = 0.0
     fork: float = 0.0
 
-    def of(self, end: bool, above_end: bool, fork: bool) -> float:
-        """The bonus of one state, summed in the order the array rule sums it."""
-        b = 0.0
-        if end:
-            b += self.end
-        if above_end:
-            b += self.above_end
-        if fork:
-            b += self.fork
-        return b
+    def of(self, end, above_end, fork):
+        """The bonus of one state (bools) or, elementwise, of many (numpy bool arrays): the
+        three terms summed in this order (the bonuses are finite)."""
+        return 0.0 + end * self.end + above_end * self.above_end + fork * self.fork
 
 
 # Read at call time by pick_victims' default and by the simulator's tree (one for the server and
@@ -124,9 +118,30 @@ class Candidate:
     # among the candidates given (with their ``heirs``).
 
 
+def serial_steps(gap, kda_layers, grid: int = GRID):
+    """Serial KDA steps (``grid``-token chunks x KDA layers) a state saves a request that resumes
+    from it rather than from its nearest state ancestor ``gap`` tokens above (none when ``gap <=
+    0``). Scalars or, elementwise, numpy arrays."""
+    return gap * (gap > 0) / grid * kda_layers
+
+
+def score(access, lo, hi, value, vmax, alpha: float, bonus=0.0):
+    """The rule's score, the one formula the server and the simulator evaluate: recency
+    normalized over the candidates' ``[lo, hi]`` (1 when they are all equally recent) +
+    ``alpha`` x ``value`` (serial steps saved per byte) normalized by the candidates' largest
+    ``vmax`` (0 when that is 0) + ``bonus`` (:meth:`Bonus.of`). Lowest goes first.
+
+    ``access``, ``value`` and ``bonus`` are one state's scalars or, elementwise, numpy arrays
+    over the candidates; ``lo``, ``hi``, ``vmax`` and ``alpha`` are scalars."""
+    span = hi - lo
+    rec = (access - lo) / span if span > 0 else 0 * access + 1.0
+    val = value / vmax if vmax > 0 else 0 * value
+    return rec + alpha * val + bonus
+
+
 def steps_saved(c: Candidate, grid: int = GRID) -> float:
     """Serial KDA steps (64-token chunks x KDA layers) lost if ``c`` goes."""
-    return max(c.depth - c.ancestor_depth, 0) / grid * c.kda_layers
+    return serial_steps(c.depth - c.ancestor_depth, c.kda_layers, grid)
 
 
 def value_per_byte(c: Candidate, grid: int = GRID) -> float:
@@ -134,20 +149,14 @@ def value_per_byte(c: Candidate, grid: int = GRID) -> float:
 
 
 def scores(cands: Sequence[Candidate], alpha: float, grid: int = GRID) -> list[float]:
-    """Normalized recency + ``alpha`` x normalized serial steps saved per byte, per candidate."""
+    """:func:`score` without the bonus, per candidate, normalized over ``cands``."""
     if not cands:
         return []
     times = [c.last_access for c in cands]
     lo, hi = min(times), max(times)
-    span = hi - lo
     values = [value_per_byte(c, grid) for c in cands]
     vmax = max(values)
-    out = []
-    for t, v in zip(times, values, strict=True):
-        rec = (t - lo) / span if span > 0 else 1.0
-        val = v / vmax if vmax > 0 else 0.0
-        out.append(rec + alpha * val)
-    return out
+    return [score(t, lo, hi, v, vmax, alpha) for t, v in zip(times, values, strict=True)]
 
 
 def pick_victims(
@@ -166,8 +175,8 @@ def pick_victims(
     state ancestor inherit its ancestor (their saved work grows), and its ancestor inherits its
     heirs (a chain's end made its ancestor interior; with it gone, the ancestor ends the branch
     again if it has no other heir, and the state above that one is then above a branch end).
-    Array arithmetic: each pick rescans the candidates in numpy, the same float operations as
-    :func:`scores` (a 256-state pool shedding 36 took 44 ms in plain Python).
+    Array arithmetic: each pick rescores the live candidates in numpy through :func:`score` (a
+    256-state pool shedding 36 took 44 ms in plain Python).
     """
     cs = list(cands)
     if not cs or n <= 0:
@@ -206,20 +215,13 @@ def pick_victims(
     while len(out) < n and alive.any():
         live = np.flatnonzero(alive)
         t = times[live]
-        lo, hi = t.min(), t.max()
-        span = hi - lo
-        rec = (t - lo) / span if span > 0 else np.ones(len(live))
-        v = np.maximum(depth[live] - anc_depth[live], 0) / grid * per[live] / nbytes[live]
-        vmax = v.max()
-        val = v / vmax if vmax > 0 else np.zeros(len(live))
-        sc = rec + alpha * val
-        if bonused:  # the same sum, in the same order, as Bonus.of
+        v = serial_steps(depth[live] - anc_depth[live], per[live], grid) / nbytes[live]
+        if bonused:
             h = heirs[live]
-            bon = np.zeros(len(live))
-            bon = bon + np.where(h == 0, bonus.end, 0.0)
-            bon = np.where(end_heirs[live] > 0, bon + bonus.above_end, bon)
-            bon = np.where(h >= 2, bon + bonus.fork, bon)
-            sc = sc + bon
+            bon = bonus.of(h == 0, end_heirs[live] > 0, h >= 2)
+        else:
+            bon = 0.0
+        sc = score(t, t.min(), t.max(), v, v.max(), alpha, bon)
         pick = np.flatnonzero(sc == sc.min())
         if len(pick) > 1:
             pick = pick[t[pick] == t[pick].min()]

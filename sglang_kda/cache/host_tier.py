@@ -17,7 +17,7 @@ shares a live slot. sglang_kda adds no cache of its own; this module adds:
   ``/server_info`` block of :func:`host_report`;
 * the host tier's eviction by ``--kda-eviction`` (:func:`evict_host_states`): SGLang frees host
   slots through its host-LRU walk; the rule's victims are the only states left in that walk
-  (the others shielded by a host lock for the call), as :func:`~sglang_kda.cache.checkpoints.
+  (the others shielded by a host lock for the call), as :func:`~sglang_kda.cache.evict_drive.
   evict_states` does on the device tier;
 * :func:`host_integrity`: the host half of the integrity walk.
 
@@ -203,7 +203,7 @@ def host_integrity(tree_cache, strict: bool = True) -> Optional[dict]:
     """The host half of the integrity walk: every host slot in use belongs to a tree node's
     state (host-only, or the backup of a device-held one), when no write is in flight and
     ``strict``. Raises ``IntegrityError``; returns :func:`host_report`'s counts."""
-    from sglang_kda.cache.checkpoints import IntegrityError
+    from sglang_kda.cache.integrity import IntegrityError
 
     rep = host_report(tree_cache)
     if rep is None:
@@ -229,7 +229,7 @@ def note_load_back(tree_cache, node_id, host_only_before: bool, ok: bool) -> Non
     slot the node holds again (the device tier) and into the request's own slot (a copy); the
     node goes back into the state book, so the device tier's eviction rule sees it (unlisted,
     it made the rule fall back to SGLang's LRU)."""
-    from sglang_kda.cache.checkpoints import note_state
+    from sglang_kda.cache.evict_drive import note_state
     from sglang_kda.cache.stats import STATS
 
     if ok and host_only_before:
@@ -248,7 +248,7 @@ def evict_host_states(tree_cache, n: int, alpha: Optional[float], orig_evict_hos
     host walk (``orig_evict_host``) with every other host-only state shielded by a host lock.
     SGLang's host LRU when ``alpha`` is None or the book misses a host state. Returns the host
     slots freed."""
-    from sglang_kda.cache.checkpoints import eviction_candidates_of
+    from sglang_kda.cache.evict_drive import eviction_candidates_of
     from sglang_kda.cache.eviction import pick_victims
     from sglang_kda.cache.stats import STATS
 
@@ -310,9 +310,9 @@ def model_context_length() -> int:
         bag = get_model()
         if bag.context_length:
             return int(bag.context_length)
-        from sglang_kda.launch_server import _model_config_json
+        from sglang_kda.model_config import model_config_json
 
-        cfg = _model_config_json(str(bag.model_path)) or {}
+        cfg = model_config_json(str(bag.model_path)) or {}
         cfg = cfg.get("text_config", cfg)
         return int(cfg.get("max_position_embeddings") or 0)
     except Exception:  # noqa: BLE001 - no resolved model config (unit use)
@@ -334,14 +334,14 @@ def check_capacity(pool, config) -> Optional[str]:
 
 
 def _register() -> None:
-    """Join the checkpoint cache's tiers (:data:`sglang_kda.cache.checkpoints.TIERS`) once."""
+    """Join the checkpoint cache's tiers (:data:`sglang_kda.cache.evict_drive.TIERS`) once."""
     import sys
 
-    from sglang_kda.cache import checkpoints
+    from sglang_kda.cache import evict_drive
 
     me = sys.modules[__name__]
-    if me not in checkpoints.TIERS:
-        checkpoints.TIERS.append(me)
+    if me not in evict_drive.TIERS:
+        evict_drive.TIERS.append(me)
 
 
 _register()

@@ -16,12 +16,13 @@ import logging
 from typing import Optional, Sequence
 
 from sglang_kda import faults, state
-from sglang_kda.cache import checkpoints
+from sglang_kda.cache import evict_drive
 from sglang_kda.cache.capture import ForwardCapture
 from sglang_kda.cache.eviction import parse_eviction
+from sglang_kda.cache.insert import insert_checkpoints
+from sglang_kda.cache.server_tree import ServerTree
 from sglang_kda.cache.stats import STATS
 from sglang_kda.config import KDAConfig
-from sglang_kda.wiring.adder import slices_processed
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +44,21 @@ class AfterPrefill:
         capture: Optional[ForwardCapture],
     ) -> None:
         STATS.add("prefill_tokens_computed", int(sum(extend_lens or [])))
+        tree = ServerTree(tree_cache, self.config.checkpoint_pool_size, self.alpha, strict=False)
         if capture is not None and tree_cache.supports_mamba():
             every = self.config.checkpoint_every_tokens(tree_cache.page_size)
-            checkpoints.insert_checkpoints(tree_cache, reqs, capture, every, self.alpha)
-            nbytes = checkpoints.state_nbytes(tree_cache)
+            insert_checkpoints(tree_cache, reqs, capture, every, self.alpha)
+            nbytes = evict_drive.state_nbytes(tree_cache)
             self._log_pool_once(tree_cache, nbytes)
-            held = checkpoints.enforce_pool_size(
-                tree_cache, self.config.checkpoint_pool_size, self.alpha
-            )
+            held = tree.enforce_caps()
             STATS.set_held(held, held * nbytes)
-        slices_processed(tree_cache, reqs)  # the twin rule's pending leaders (overlap scheduler)
+        # the twin rule's pending leaders (overlap scheduler)
+        state.slices_processed(tree_cache, reqs)
         if faults.AFTER_PREFILL and tree_cache.supports_mamba():
             faults.after_prefill(tree_cache, reqs)
         if self.debug and tree_cache.supports_mamba():
             state.LAST_INTEGRITY.clear()
-            state.LAST_INTEGRITY.update(
-                checkpoints.integrity_report(tree_cache, reqs, strict=False)
-            )
+            state.LAST_INTEGRITY.update(tree.check(reqs))
 
     def _log_pool_once(self, tree_cache, nbytes: int) -> None:
         if self._logged:

@@ -59,6 +59,7 @@ from typing import Callable, Optional, Sequence
 
 from sglang_kda.cache import eviction as eviction_mod
 from sglang_kda.cache import probe as probe_mod
+from sglang_kda.cache.tree_api import grid_positions
 from sglang_kda.config import KDAConfig, budget_config
 from sglang_kda.sim.tree import RadixTree
 
@@ -368,7 +369,7 @@ class Rank:
             # with its round_queue entry: probe_mod.planned_done's rule, its place among the
             # waiting requests no admission matched yet)
             unmatched = sum(1 for w in self.waiting if not w.prefix)
-            done = self._probe(r) if unmatched < probe_mod.PROBE_LIMIT else 0
+            done = self.tree.probe(r) if unmatched < probe_mod.PROBE_LIMIT else 0
             _, infeasible = self.planner.book.admit(
                 self.cost, r.rid, t, len(r.ids), done, r.deadline_s, arrival=r.arrival
             )
@@ -390,25 +391,12 @@ class Rank:
         return take
 
     def _limit(self, r: SimReq) -> int:
-        return len(r.ids) - 1
+        return len(r.ids) - 1  # the tree's match limit too (RadixTree.probe, resume)
 
     def _work(self, r: SimReq) -> int:
         """Tokens a waiting request would prefill, as the server estimates it before matching
         (its whole prompt: FCFS does not match waiting prefixes)."""
         return len(r.ids)
-
-    def _probe(self, r: SimReq) -> int:
-        """What the admission match would grant ``r`` now, without touching the tree (no
-        recency, no host promotion): the deepest device checkpoint on its path within
-        :meth:`_limit`, as :func:`sglang_kda.cache.probe.cached_prefix` reads the server's."""
-        limit = self._limit(r)
-        return max((d for d in self.tree.checkpoint_positions(r.ids) if d <= limit), default=0)
-
-    def _relock(self, r: SimReq, node) -> None:
-        self.tree.lock(node)
-        if r.node is not None:
-            self.tree.unlock(r.node)
-        r.node = node
 
     # -- one round ----------------------------------------------------------------------------
     def step(self) -> float:
@@ -426,7 +414,7 @@ class Rank:
             # cache would grant now (the same rule, probe_mod.planned_done; the look changes
             # nothing in the tree), then the in-flight one
             done = probe_mod.planned_done(
-                [r.prefix for r in self.waiting], lambda i: self._probe(self.waiting[i])
+                [r.prefix for r in self.waiting], lambda i: self.tree.probe(self.waiting[i])
             )
             queue = [(r.rid, d) for r, d in zip(self.waiting, done)]
             queue += [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
@@ -464,11 +452,7 @@ class Rank:
         if self.chunked is not None and not paced:
             r = self.chunked
             if cfg.kda and cfg.resume_in_flight:
-                m = self.tree.match(r.ids, self._limit(r), start=r.node)
-                if m.length > r.prefix:
-                    r.cached_midprefill += m.length - r.prefix
-                    r.prefix = m.length
-                    self._relock(r, m.node)
+                r.cached_midprefill += self.tree.resume(r)
             remaining = len(r.ids) - r.prefix
             limit = max(1, rem_chunk)
             if cfg.kda:  # short waiting requests enter beside it (the server's make_room)
@@ -522,7 +506,7 @@ class Rank:
             r.cached_admission = m.length
             r.kv_recomputed = m.kv_length - m.length
             r.state = "prefill"
-            self._relock(r, m.node)
+            self.tree.relock(r, m.node)
             take = self._cut(st, r.prefix, rem_chunk, extend) if extend > rem_chunk else extend
             if cfg.kda and cfg.branch_cuts:  # a state where the cached KV ends
                 take = st.branch_cut(r.prefix, take, min(m.kv_length, self._limit(r)))
@@ -581,9 +565,7 @@ class Rank:
             unfinished = e < len(r.ids)
             marks = []
             if cfg.kda:
-                every = cfg.spacing
-                first = (s // every + 1) * every
-                marks = list(range(first, e + 1, every))
+                marks = grid_positions(s, e - s, cfg.spacing)
             if unfinished:
                 marks.append(e)  # SGLang's chunk-end stash
             if cfg.page_size > 1:  # the tree is paged: a state off a page boundary has no node
@@ -593,7 +575,7 @@ class Rank:
             if unfinished:
                 node = self.tree.match(r.ids, e, start=r.node).node
                 if node.depth == e:
-                    self._relock(r, node)
+                    self.tree.relock(r, node)
                 self.chunked = r
             else:
                 if self.planner is not None:
@@ -613,7 +595,7 @@ class Rank:
             if r.state == "decode" and r not in self.running:
                 self.running.append(r)
         if cfg.integrity:
-            self.tree.integrity(expected_locks=self._held_locks())
+            self.tree.check(list(self.running) + ([self.chunked] if self.chunked else []))
         return dt
 
     def _emit(self, r: SimReq, t: float) -> None:
@@ -643,10 +625,6 @@ class Rank:
             r.node = None
         self.tree.enforce_caps()  # after the insert, its lock released
         self.on_finish(r)
-
-    def _held_locks(self) -> int:
-        reqs = list(self.running) + ([self.chunked] if self.chunked else [])
-        return sum(1 for r in reqs if r.node is not None)
 
 
 # -- routers -------------------------------------------------------------------------------------

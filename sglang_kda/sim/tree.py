@@ -1,7 +1,7 @@
 """A plain-Python radix tree of token prefixes with KV on every node and KDA checkpoints on some.
 
 In the server the tree is SGLang's ``UnifiedRadixCache`` (Rust core) fed with grid checkpoints by
-:mod:`sglang_kda.cache.checkpoints`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
+:mod:`sglang_kda.cache.insert`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
 model of it that runs without tensors or SGLang; this is it, with the same rules:
 
 * A node holds the KV of its edge (the tokens from its parent's end to its own end); the path
@@ -578,16 +578,52 @@ class RadixTree:
             if not node.children and node is not self.root:
                 self._push(self._lru_leaf, node)
 
-    def enforce_caps(self) -> None:
+    def enforce_caps(self) -> int:
         """Evict down to the caps (checkpoints by the tree's rule, KV by LRU). With a host
         tier, first the host frees the slots the new states' copies took (write-through: the
-        device's states and the host-only ones share the host pool)."""
+        device's states and the host-only ones share the host pool). Returns the checkpoints
+        held."""
         if self.n_host and self.n_host + self.n_checkpoints > self.host_checkpoints:
             self._host_evict(self.n_host + self.n_checkpoints - self.host_checkpoints)
         if self.max_checkpoints is not None and self.n_checkpoints > self.max_checkpoints:
             self.evict(checkpoints=self.n_checkpoints - self.max_checkpoints)
         if self.max_tokens is not None and self.n_tokens > self.max_tokens:
             self.evict(tokens=self.n_tokens - self.max_tokens)
+        return self.n_checkpoints
+
+    # -- the scheduler's interface (sglang_kda.cache.tree_api.CheckpointTree) ------------------
+    # A request here is anything with ``ids`` (its prompt), ``prefix`` (prompt tokens done) and
+    # ``node`` (the node it locks, or None), as the simulator's SimReq; its match limit is
+    # ``len(ids) - 1`` (the last prompt token is always computed).
+    def probe(self, req) -> int:
+        """What the admission match would grant ``req`` now, without touching the tree (no
+        recency, no host promotion): the deepest device checkpoint on its path within its
+        limit, as :func:`sglang_kda.cache.probe.cached_prefix` reads the server's."""
+        limit = len(req.ids) - 1
+        return max((d for d in self.checkpoint_positions(req.ids) if d <= limit), default=0)
+
+    def relock(self, req, node: Node) -> None:
+        """``req``'s lock moves to ``node``."""
+        self.lock(node)
+        if req.node is not None:
+            self.unlock(req.node)
+        req.node = node
+
+    def resume(self, req) -> int:
+        """The in-flight chunked ``req`` re-matches from the node it locks and jumps to the
+        deepest checkpoint past its progress (its ``prefix`` and lock move there); returns the
+        tokens skipped."""
+        m = self.match(req.ids, len(req.ids) - 1, start=req.node)
+        if m.length <= req.prefix:
+            return 0
+        skipped = m.length - req.prefix
+        req.prefix = m.length
+        self.relock(req, m.node)
+        return skipped
+
+    def check(self, live) -> dict:
+        """:meth:`integrity`, expecting one lock per ``live`` request that holds one."""
+        return self.integrity(expected_locks=sum(1 for r in live if r.node is not None))
 
     def evict(self, checkpoints: int = 0, tokens: int = 0) -> tuple[int, int]:
         """Evict at least ``checkpoints`` checkpoints (by the tree's rule: LRU, or
@@ -758,10 +794,9 @@ class RadixTree:
     def _pick_by_rule(self, n: int) -> int:
         """:func:`eviction.pick_victims` on the unlocked checkpoints, without building them.
 
-        Per pick, the same float operations as the rule: ``rec = (t - lo) / span`` (1 when all times
-        are equal), ``v = max(gap, 0) / grid * layers / nbytes``, ``score = rec + alpha * v /
-        vmax`` plus the bonus (``eviction.BONUS``: branch end, above a branch end, fork); lowest
-        score, then oldest, then shallowest. ``v`` grows with the gap, so ``vmax`` is the largest
+        Per pick, the rule's own score (``eviction.score`` of ``eviction.serial_steps`` per byte,
+        plus ``eviction.BONUS``: branch end, above a branch end, fork); lowest score, then oldest,
+        then shallowest. ``v`` grows with the gap, so ``vmax`` is the largest
         gap's; among checkpoints with equal gaps and equal bonus the oldest (then the shallowest)
         scores lowest, so only each key's oldest is scored (the unlocked checkpoints are filed by
         :meth:`_key`, (branch end?, above a branch end?, fork?, gap), oldest first).
@@ -774,21 +809,18 @@ class RadixTree:
         alpha = self.alpha
         bonus = eviction_mod.BONUS
         bonused = bool(bonus.end or bonus.above_end or bonus.fork)
+        score, steps = eviction_mod.score, eviction_mod.serial_steps
         done = 0
         while done < n and self._gaps:
             tops = [(k, self._oldest(k)) for k in self._gaps]
             lo = min(x.state_access for _, x in tops)
             hi = next(x for x in reversed(self._ckpts) if x.lock_own == 0).state_access
-            span = hi - lo
-            vmax = max(max(k[-1] for k in self._gaps), 0) / grid * per / nbytes
+            vmax = steps(max(k[-1] for k in self._gaps), per, grid) / nbytes
             best = None
             for (end, above, fork, g), x in tops:
-                rec = (x.state_access - lo) / span if span > 0 else 1.0
-                v = max(g, 0) / grid * per / nbytes
-                score = rec + alpha * (v / vmax if vmax > 0 else 0.0)
-                if bonused:
-                    score = score + bonus.of(end, above, fork)
-                key = (score, x.state_access, x.depth)
+                v = steps(g, per, grid) / nbytes
+                bon = bonus.of(end, above, fork) if bonused else 0.0
+                key = (score(x.state_access, lo, hi, v, vmax, alpha, bon), x.state_access, x.depth)
                 if best is None or key < best[0]:
                     best = (key, x)
             self._shed(best[1])

@@ -18,9 +18,9 @@ from contextvars import ContextVar
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from sglang_kda.cache.stats import STATS
-from sglang_kda.policy.adder import AdderRound, PassBook, adder_grid
+from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.policy.admission import Leader
-from sglang_kda.state import RECENT_CUTS
+from sglang_kda.state import RECENT_CUTS, pass_book
 
 # The serial budget's share for the in-flight request in the round being built, (keep, cap)
 # (:func:`sglang_kda.policy.slices.make_room`): set by :func:`sglang_kda.wiring.budget.round_inputs`
@@ -34,21 +34,6 @@ def record(st: AdderRound) -> None:
     for name, n in counts.items():
         STATS.add(name, n)
     RECENT_CUTS.extend(cuts)
-
-
-def pass_book(tree_cache: Any) -> PassBook:
-    """The tree cache's :class:`PassBook` (one per scheduler)."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is None:
-        book = tree_cache._kda_pass_book = PassBook()
-    return book
-
-
-def slices_processed(tree_cache: Any, reqs: Iterable[Any]) -> None:
-    """A prefill step's result was processed (its checkpoints inserted): update the book."""
-    book = tree_cache.__dict__.get("_kda_pass_book")
-    if book is not None:
-        book.processed(reqs)
 
 
 def leader_of(req: Any) -> Leader:
@@ -174,10 +159,10 @@ def commit_admission(st: AdderRound, adder: Any, req: Any, admission: Any) -> No
 def add_chunked(st: AdderRound, adder: Any, req: Any, add: Callable) -> Any:
     """The in-flight chunked request through upstream's ``PrefillAdder.add_chunked_req``
     (``add(adder, req)``): first it jumps to the deepest checkpoint cached meanwhile
-    (:func:`sglang_kda.cache.checkpoints.resume_in_flight`) and its prefix is noted for the cut;
+    (:func:`sglang_kda.cache.resume.resume_in_flight`) and its prefix is noted for the cut;
     if it stays chunked (running this round or parked), the round holds it."""
     if st.grid > 1:
-        from sglang_kda.cache.checkpoints import resume_in_flight
+        from sglang_kda.cache.resume import resume_in_flight
 
         resume_in_flight(adder.tree_cache, req)
     st.prefix_len = req.prefix_len

@@ -25,10 +25,11 @@ def own_settings() -> tuple[dict, str]:
     """This server's settings of :data:`pd_check.MUST_AGREE`, and its model's state dtype."""
     from sglang.srt.runtime_context import get_server_args
 
-    from sglang_kda.launch_server import _model_config_json, resolved
+    from sglang_kda.launch_server import resolved
+    from sglang_kda.model_config import model_config_json
 
     args = get_server_args()
-    ssm = pd_check.model_ssm_dtype(_model_config_json(str(resolved(args, "model_path"))))
+    ssm = pd_check.model_ssm_dtype(model_config_json(str(resolved(args, "model_path"))))
     return pd_check.transfer_settings(lambda field: resolved(args, field), ssm), ssm
 
 

@@ -60,7 +60,7 @@ def insert_state():
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        from sglang_kda.cache.checkpoints import note_state
+        from sglang_kda.cache.evict_drive import note_state
 
         value = allocator.alloc(len(seq))
         slot = pool.mamba_allocator.alloc(1)

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kda.cache.capture import ForwardCapture, conv_windows, grid_positions
+from sglang_kda.cache.capture import ForwardCapture, conv_windows
+from sglang_kda.cache.tree_api import grid_positions
 from sglang_kda.config import ConfigError, KDAConfig
 from sglang_kda.policy.admission import Leader, common_prefix_len, twin_gain
 from sglang_kda.policy.grid import GridError

@@ -1,12 +1,13 @@
 """The round's grid checkpoints cost one eviction walk per step, not one per checkpoint
-(``checkpoints.planned_checkpoints`` / ``reserve_slots``). Counts calls; no timing."""
+(``insert.planned_checkpoints`` / ``evict_drive.reserve_slots``). Counts calls; no timing."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from sglang_kda.cache.capture import ForwardCapture
-from sglang_kda.cache.checkpoints import planned_checkpoints, reserve_slots
+from sglang_kda.cache.evict_drive import reserve_slots
+from sglang_kda.cache.insert import planned_checkpoints
 
 
 def _req(n_tokens, protected=0, finished=False):
@@ -46,7 +47,7 @@ def test_counts_what_insert_checkpoints_inserts():
 
 
 def test_one_eviction_call_for_the_whole_step(monkeypatch):
-    from sglang_kda.cache import checkpoints
+    from sglang_kda.cache import evict_drive
 
     calls = []
 
@@ -54,7 +55,7 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
         calls.append(n)
         return n
 
-    monkeypatch.setattr(checkpoints, "evict_states", fake_evict)
+    monkeypatch.setattr(evict_drive, "evict_states", fake_evict)
     need = len(planned_checkpoints([_req(65536, 8192)], _cap(8192, 4096), 64))
     assert reserve_slots(_tree(10), need, 1.0) == 53
     assert calls == [53]  # one walk for 63 checkpoints with 10 free slots
@@ -64,7 +65,7 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
     assert calls == []
     # a full 256-slot pool: the walk frees an eighth of it beyond the need, so the next ~8
     # steps of 4 checkpoints find free slots and walk nothing
-    assert reserve_slots(_tree(0, size=256), 4, 1.0) == 4 + 256 // checkpoints.EVICT_HEADROOM
+    assert reserve_slots(_tree(0, size=256), 4, 1.0) == 4 + 256 // evict_drive.EVICT_HEADROOM
     assert calls == [36]
     calls.clear()
     assert reserve_slots(_tree(32, size=256), 4, 1.0) == 0
@@ -74,10 +75,10 @@ def test_one_eviction_call_for_the_whole_step(monkeypatch):
 def test_int8_checkpoints_reserve_in_their_own_pool(monkeypatch):
     """With ``--enable-int8-mamba-checkpoint`` the tree's states live in the int8 pool: a full
     active pool (live requests) evicts nothing, a full int8 pool gets its headroom."""
-    from sglang_kda.cache import checkpoints
+    from sglang_kda.cache import evict_drive
 
     calls = []
-    monkeypatch.setattr(checkpoints, "evict_states", lambda tree, n, alpha: calls.append(n) or n)
+    monkeypatch.setattr(evict_drive, "evict_states", lambda tree, n, alpha: calls.append(n) or n)
     assert reserve_slots(_tree(0, size=256, int8=(100, 512)), 4, 1.0) == 0
     assert calls == []
     assert reserve_slots(_tree(200, size=256, int8=(0, 512)), 4, 1.0) == 4 + 512 // 8
@@ -89,7 +90,7 @@ def test_streaming_session_turns_are_left_to_sglang():
     holds (SGLang's ``StreamingSession.try_checkpoint``): grid inserts, which move the
     request's own lock, skip it (before, they bypassed the session and left it a lock its
     close never released)."""
-    from sglang_kda.cache.checkpoints import insert_checkpoints
+    from sglang_kda.cache.insert import insert_checkpoints
 
     inserted = []
 

@@ -1,7 +1,7 @@
 """Eviction of tree-held KDA states by recency and serial work saved per byte (no server).
 
 The scoring rule (sglang_kda/cache/eviction.py), the flag, and the wiring
-(sglang_kda/cache/checkpoints.py::evict_states) against a fake tree whose eviction walk is
+(sglang_kda/cache/evict_drive.py::evict_states) against a fake tree whose eviction walk is
 SGLang's: least recently inserted first, locked states skipped.
 """
 
@@ -243,7 +243,7 @@ class FakeTree:
         )
 
     def add(self, nid, parent, depth, state=True):
-        from sglang_kda.cache.checkpoints import note_state
+        from sglang_kda.cache.evict_drive import note_state
 
         self.tick += 1
         self.nodes[nid] = {
@@ -296,7 +296,7 @@ class FakeTree:
 
 
 def test_evict_states_evicts_exactly_the_rules_victims():
-    from sglang_kda.cache.checkpoints import (
+    from sglang_kda.cache.evict_drive import (
         enforce_pool_size,
         evict_states,
         eviction_candidates,
@@ -323,7 +323,7 @@ def test_evict_states_evicts_exactly_the_rules_victims():
 
 
 def test_evict_states_skips_a_victim_a_live_request_holds():
-    from sglang_kda.cache.checkpoints import evict_states
+    from sglang_kda.cache.evict_drive import evict_states
 
     tree = FakeTree()
     tree.add(1, None, 64)
@@ -335,7 +335,7 @@ def test_evict_states_skips_a_victim_a_live_request_holds():
 
 
 def test_an_incomplete_book_falls_back_to_lru():
-    from sglang_kda.cache.checkpoints import evict_states
+    from sglang_kda.cache.evict_drive import evict_states
     from sglang_kda.cache.stats import STATS
 
     tree = FakeTree()
@@ -349,7 +349,7 @@ def test_an_incomplete_book_falls_back_to_lru():
 
 
 def test_stale_book_entries_are_dropped():
-    from sglang_kda.cache.checkpoints import eviction_candidates, state_book
+    from sglang_kda.cache.evict_drive import eviction_candidates, state_book
 
     tree = FakeTree()
     tree.add(1, None, 64)
@@ -366,12 +366,8 @@ def test_stale_book_entries_are_dropped():
 
 @pytest.mark.parametrize("backend", ["python", "rust"])
 def test_real_tree_evicts_exactly_the_rules_victims(real_cache_factory, backend, insert_state):
-    from sglang_kda.cache.checkpoints import (
-        enforce_pool_size,
-        eviction_candidates,
-        held_states,
-        integrity_report,
-    )
+    from sglang_kda.cache.evict_drive import enforce_pool_size, eviction_candidates, held_states
+    from sglang_kda.cache.integrity import integrity_report
 
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
@@ -399,11 +395,13 @@ def test_integrity_counts_a_finished_request_in_the_batch_as_gone(real_cache_fac
     catch a running request whose slot the tree holds."""
     from types import SimpleNamespace
 
-    from sglang_kda.cache.checkpoints import IntegrityError, _mamba_type, integrity_report
+    from sglang_kda.cache.evict_drive import mamba_type
+
+    from sglang_kda.cache.integrity import IntegrityError, integrity_report
 
     cache, allocator, pool = real_cache_factory("python")
     node = insert_state(cache, allocator, pool, list(range(1, 129)))
-    slot = cache.tree_core.get_component_device_value(node, _mamba_type())
+    slot = cache.tree_core.get_component_device_value(node, mamba_type())
     assert slot is not None
 
     def req(done: bool):
@@ -422,7 +420,7 @@ def test_real_tree_candidates_do_not_depend_on_the_books_depths(
 ):
     """The walk visits states deepest first by the book's depths, one root path per branch;
     depths and ancestors come from the paths, so forgotten or wrong book depths change nothing."""
-    from sglang_kda.cache.checkpoints import eviction_candidates, state_book
+    from sglang_kda.cache.evict_drive import eviction_candidates, state_book
 
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
@@ -451,12 +449,8 @@ def test_real_tree_candidates_do_not_depend_on_the_books_depths(
 def test_real_tree_book_survives_splits_and_spares_held_states(
     real_cache_factory, backend, insert_state
 ):
-    from sglang_kda.cache.checkpoints import (
-        evict_states,
-        eviction_candidates,
-        held_states,
-        integrity_report,
-    )
+    from sglang_kda.cache.evict_drive import evict_states, eviction_candidates, held_states
+    from sglang_kda.cache.integrity import integrity_report
 
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
@@ -489,7 +483,8 @@ def test_real_tree_checkpoint_without_a_free_slot_evicts_by_the_rule(
     from types import SimpleNamespace
 
     from sglang_kda.cache.capture import ForwardCapture
-    from sglang_kda.cache.checkpoints import eviction_candidates, write_checkpoint_slot
+    from sglang_kda.cache.evict_drive import eviction_candidates
+    from sglang_kda.cache.insert import write_checkpoint_slot
 
     cache, allocator, pool = real_cache_factory(backend)
     tokens = list(range(1, 1025))
@@ -601,7 +596,7 @@ def test_integrity_counts_a_live_requests_track_slots_as_its_own(real_cache_fact
 
     import torch
 
-    from sglang_kda.cache.checkpoints import IntegrityError, integrity_report
+    from sglang_kda.cache.integrity import IntegrityError, integrity_report
 
     cache, allocator, pool = real_cache_factory("python")
     slots = pool.mamba_allocator.alloc(3).view(-1)

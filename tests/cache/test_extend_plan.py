@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_kda import kda_adapter
-from sglang_kda.cache.capture import ExtendPlan, conv_windows, grid_positions
+from sglang_kda.cache.capture import ExtendPlan, conv_windows
+from sglang_kda.cache.tree_api import grid_positions
 from sglang_kda.kernels import kda_torch
 from sglang_kda.kernels.kda_torch import KDACheckpoints
 

@@ -54,7 +54,8 @@ def _admit(cache, pool, req) -> int:
 
 def _snapshot(cache, nodes) -> dict:
     """Everything a match could change that the probe must not."""
-    from sglang_kda.cache.checkpoints import held_states, integrity_report, state_book
+    from sglang_kda.cache.evict_drive import held_states, state_book
+    from sglang_kda.cache.integrity import integrity_report
     from sglang_kda.cache.stats import STATS
 
     core = cache.tree_core

@@ -2,7 +2,7 @@
 
 The tree's states live quantised in SGLang's int8 pool (about half the bytes of fp32), apart from
 the active pool of live requests; sglang_kda quantises each captured grid checkpoint into it
-(``cache/checkpoints._write_int8_checkpoint``) the way SGLang quantises a donated state, and a
+(``cache/insert._write_int8_checkpoint``) the way SGLang quantises a donated state, and a
 mid-prefill resume dequantises like SGLang's own cache hit. Checked on a CPU server (chunk 256,
 so most checkpoints are captured inside slices) with a small int8 pool (30 slots) and the
 integrity walk after every prefill step (tree states == int8 slots in

@@ -37,7 +37,7 @@ def test_probe_is_the_admission_match_without_touching_the_tree():
     for ids, want in cases:
         r = SimReq(rid=str(len(ids)), ids=ids, out=1, arrival=0.0)
         before = _tree_state(rank.tree)
-        assert rank._probe(r) == want
+        assert rank.tree.probe(r) == want
         assert _tree_state(rank.tree) == before
         assert rank.tree.match(ids, rank._limit(r)).length == want  # what admission grants
 

@@ -154,3 +154,12 @@ def test_start_and_end_shortcuts_build_the_same_tree():
     assert a.n_tokens == b.n_tokens == 700
     assert b.match(ids, 999, start=node).length == 700
     b.integrity()
+
+
+def test_both_trees_are_checkpoint_trees():
+    """The server's tree (over SGLang's) and the simulator's share one interface (issue 38)."""
+    from sglang_kda.cache.server_tree import ServerTree
+    from sglang_kda.cache.tree_api import CheckpointTree
+
+    assert isinstance(RadixTree(), CheckpointTree)
+    assert isinstance(ServerTree(object()), CheckpointTree)

@@ -1,7 +1,7 @@
 """A plain-Python radix tree of token prefixes with KV on every node and KDA checkpoints on some.
 
 In the server the tree is SGLang's ``UnifiedRadixCache`` (Rust core) fed with grid checkpoints by
-:mod:`sglang_kda.cache.checkpoints`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
+:mod:`sglang_kda.cache.insert`. The simulator (:mod:`sglang_kda.sim`) and unit tests need a
 model of it that runs without tensors or SGLang; this is it, with the same rules:
 
 * A node holds the KV of its edge (the tokens from its parent's end to its own end); the path
@@ -31,7 +31,6 @@ model of it that runs without tensors or SGLang; this is it, with the same rules
   ``max_checkpoints`` caps the checkpoints held (``--kda-checkpoint-pool-size``): an insert past
   the cap evicts (``insert(..., enforce=False)`` defers it to :meth:`enforce_caps`, as the
   server sheds states once after a prefill step); ``max_tokens`` caps the KV tokens held.
-* :meth:`integrity`: walks the tree; see its docstring.
 
 Recency is a logical clock (one tick per operation), so runs are deterministic.
 
@@ -64,9 +63,6 @@ class Node:
     last_access: int = 0
     serial: int = 0  # creation order: a deterministic tie-break
     state_access: int = 0  # tick of the checkpoint's last insert or hit (the eviction rule's)
-
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return f"Node(depth={self.depth}, len={len(self.key)}, ckpt={self.checkpoint})"
 
 
 @dataclass(frozen=True)
@@ -153,9 +149,6 @@ class RadixTree:
             recency[id(n)], locked[id(n)] = r, lk
         return order, recency, locked
 
-    def locks_held(self) -> int:
-        return sum(n.lock_own for n in self.nodes())
-
     @staticmethod
     def _common(key: tuple, ids: Sequence[int], start: int, stop: int | None = None) -> int:
         """Length of the common prefix of ``key`` and ``ids[start:stop]`` (slice compares run in
@@ -226,34 +219,12 @@ class RadixTree:
             best.state_access = t
         return Match(best, best.depth, kv)
 
-    def path_ids(self, node: Node) -> tuple:
-        parts = []
-        while node is not None and node is not self.root:
-            parts.append(node.key)
-            node = node.parent
-        return tuple(t for part in reversed(parts) for t in part)
-
     def nodes(self) -> list[Node]:
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()
             out.append(n)
             stack.extend(n.children.values())
-        return out
-
-    def checkpoint_positions(self, ids: Sequence[int]) -> list[int]:
-        """Depths of the checkpoints on ``ids``' path (fully matched nodes only)."""
-        node, pos, out = self.root, 0, []
-        while pos < len(ids):
-            child = node.children.get(ids[pos])
-            if child is None:
-                break
-            n = self._common(child.key, ids, pos)
-            if n < len(child.key):
-                break
-            node, pos = child, pos + n
-            if node.checkpoint:
-                out.append(node.depth)
         return out
 
     # -- updates ------------------------------------------------------------------------------
@@ -423,73 +394,3 @@ class RadixTree:
             node.checkpoint = False
             self.n_checkpoints -= 1
         return len(victims)
-
-    def reset(self) -> None:
-        """Drop everything (``/flush_cache``); refused while locks are held."""
-        if self.locks_held():
-            raise TreeIntegrityError("reset while locks are held")
-        self.root = Node()
-        self.n_checkpoints = self.n_tokens = 0
-
-    # -- integrity ----------------------------------------------------------------------------
-    def integrity(self, expected_locks: int | None = None) -> dict:
-        """Walk the tree and check it; raises :class:`TreeIntegrityError` on the first fault.
-
-        - every child is filed under its key's first token, points back to its parent, has a
-          non-empty key and ``depth = parent depth + len(key)``; no node is reachable twice;
-        - lock counts are never negative; with ``expected_locks``, the locks held add up to it
-          (one per running request);
-        - the token and checkpoint counters equal what the walk finds; the root has no
-          checkpoint (a state after zero tokens is the zero state, never cached);
-        - the caps hold, unless locked nodes keep the tree over them.
-        Returns the figures walked.
-        """
-        seen: set[int] = set()
-        tokens = ckpts = nodes = 0
-
-        def fail(msg: str):
-            raise TreeIntegrityError(msg)
-
-        if self.root.checkpoint or self.root.key or self.root.parent is not None:
-            fail("root carries a key, a parent or a checkpoint")
-        stack = [self.root]
-        order = []
-        while stack:
-            n = stack.pop()
-            if id(n) in seen:
-                fail("node reachable twice")
-            seen.add(id(n))
-            order.append(n)
-            nodes += 1
-            if n.lock_own < 0:
-                fail("negative lock count")
-            for first, c in n.children.items():
-                if not c.key:
-                    fail("empty edge")
-                if c.key[0] != first:
-                    fail("child filed under the wrong token")
-                if c.parent is not n:
-                    fail("child's parent pointer is wrong")
-                if c.depth != n.depth + len(c.key):
-                    fail(f"depth {c.depth} != {n.depth} + {len(c.key)}")
-                tokens += len(c.key)
-                ckpts += c.checkpoint
-                stack.append(c)
-        _, _, locked_below = self._walk()
-        held = sum(n.lock_own for n in order)
-        if tokens != self.n_tokens:
-            fail(f"token counter {self.n_tokens} != {tokens} walked")
-        if ckpts != self.n_checkpoints:
-            fail(f"checkpoint counter {self.n_checkpoints} != {ckpts} walked")
-        if expected_locks is not None and held != expected_locks:
-            fail(f"{held} locks held, expected {expected_locks}")
-        if self.max_checkpoints is not None and ckpts > self.max_checkpoints:
-            locked = sum(1 for n in order if n.checkpoint and n.lock_own)
-            if ckpts - locked > self.max_checkpoints:
-                fail(f"{ckpts} checkpoints over the cap {self.max_checkpoints}")
-        if self.max_tokens is not None and tokens > self.max_tokens:
-            locked = sum(len(n.key) for n in order if locked_below[id(n)] and n is not self.root)
-            if tokens - locked > self.max_tokens:
-                fail(f"{tokens} KV tokens over the cap {self.max_tokens}")
-        return {"nodes": nodes, "tokens": tokens, "checkpoints": ckpts,
-                "locks": held}  # fmt: skip
