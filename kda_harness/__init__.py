@@ -433,6 +433,25 @@ def _payload(input_ids: Sequence[int], max_new_tokens: int, sampling: Optional[d
     return {"input_ids": list(input_ids), "sampling_params": params, "stream": True}
 
 
+DONE = object()
+"""What :func:`_sse_chunk` returns for the stream's ``[DONE]``."""
+
+
+def _sse_chunk(line: str):
+    """One server-sent-events line of a streamed response: its JSON chunk, ``None`` for a line
+    that carries no data, :data:`DONE` at the end; raises on an error chunk."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    chunk = json.loads(data)
+    if "error" in chunk:
+        raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+    return chunk
+
+
 class _Chunks:
     """Folds streamed ``data:`` lines into a :class:`StreamResult`."""
 
@@ -444,15 +463,9 @@ class _Chunks:
 
     def feed(self, line: str, now: float) -> bool:
         """Records one line; False once the stream says ``[DONE]``."""
-        line = line.strip()
-        if not line.startswith("data:"):
-            return True
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return False
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+        chunk = _sse_chunk(line)
+        if chunk is None or chunk is DONE:
+            return chunk is None
         self.meta = chunk.get("meta_info") or self.meta
         seen = self.result.n_tokens
         n = int(self.meta.get("completion_tokens", seen + 1))
@@ -496,15 +509,9 @@ class _OpenAIChunks:
         self.usage: dict = {}
 
     def feed(self, line: str, now: float) -> bool:
-        line = line.strip()
-        if not line.startswith("data:"):
-            return True
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return False
-        chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(f"stream error: {str(chunk['error'])[:300]}")
+        chunk = _sse_chunk(line)
+        if chunk is None or chunk is DONE:
+            return chunk is None
         self.usage = chunk.get("usage") or self.usage
         if not chunk.get("choices"):
             return True  # the closing usage-only chunk

@@ -5,9 +5,9 @@ that round runs without the decode tokens.
   (:func:`whole_within_step`).
 * So does a cut whose later rounds would delay the prompt's first token more than the whole
   remainder delays this round's decode tokens, when that round stays within 2.5x the round
-  budget (:func:`finish_whole`). With prompts waiting behind it (``drain``) the later rounds
-  delay their first tokens too: the gain counts once for each, and the round may take up to
-  ``max_round_s``.
+  budget (``share``, :func:`whole_reason`). With prompts waiting behind it (``drain``) the
+  later rounds delay their first tokens too: the gain counts once for each, and the round may
+  take up to ``max_round_s``.
 * A prompt whose whole remainder's round fits within the median worst gap the running decode
   streams have already had is taken whole (``tolerated``, :func:`whole_reason`): that round
   lengthens no more than half of their worst stalls. The gaps are kept by :class:`StreamGaps`
@@ -41,40 +41,7 @@ def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
 
 FINISH_STRETCH = 2.5
 """A round that finishes a prompt may be predicted at up to this x the round budget
-(:func:`finish_whole`; the budget is already divided by the slow factor)."""
-
-
-def finish_whole(
-    model: CostModel,
-    decode_ctx: Sequence[int],
-    p: Prefill,
-    tokens: int,
-    budget: float,
-    cfg: BudgetConfig,
-    behind: int = 0,
-) -> bool:
-    """Whether the round should take all ``p`` has left instead of cutting it at ``tokens``.
-
-    Cut, ``p``'s first token comes one or more rounds later: each such round costs the fixed
-    round time (overhead, extend path, the decode tokens), which a whole remainder does not pay
-    again. Whole, the decode tokens riding along this round wait for the rest of the prompt's
-    work instead. The prompt takes its whole remainder when it gains more than one decode gap
-    loses, and when that round is predicted within :data:`FINISH_STRETCH` x the round budget
-    (so the rule cannot make a long gap: a cache hit's few hundred tokens, a prompt's last
-    slice). Found on bench_serving's shared-prefix run (issue 30): a hit of ~230 tokens after a
-    1,024-token cached prefix was cut at 128-192 tokens and took 2-3 rounds, 11-12 of 29 hits
-    per run, each paying a round's fixed cost again before its first token.
-
-    ``behind``: prompts waiting to prefill behind ``p``. Each round ``p`` takes delays their
-    first tokens too, so the gain counts ``1 + behind`` times, and the round may stretch to
-    ``max_round_s`` (what a prefill round with no decode may take,
-    :func:`~.slices.lone_slice`) instead of :data:`FINISH_STRETCH` x the budget: with a queue,
-    slicing a prompt that one such round finishes only moves decode's gap into every queued
-    prompt's TTFT (issue 39, bench_serving random-ids at concurrency 16: TTFT median
-    1.09-1.19x stock's, output throughput 0.94-0.95x, each 500-1,500-token arrival cut into
-    64-token slices beside 15 decode streams).
-    """
-    return whole_reason(model, decode_ctx, p, tokens, budget, cfg, behind) is not None
+(:func:`whole_reason`; the budget is already divided by the slow factor)."""
 
 
 def whole_reason(
@@ -88,9 +55,28 @@ def whole_reason(
     tolerated_s: float = 0.0,
 ) -> str | None:
     """Why the round takes all ``p`` has left instead of cutting it at ``tokens`` (``None``: it
-    cuts), pricing the whole remainder's round once: ``share`` (:func:`finish_whole` without
-    the prompts behind), ``drain`` (only with the ``behind`` prompts counted) or ``tolerated``
-    (its round is predicted within ``tolerated_s``).
+    cuts), pricing the whole remainder's round once: ``share`` (the prompts behind not
+    counted), ``drain`` (only with the ``behind`` prompts counted) or ``tolerated`` (its round
+    is predicted within ``tolerated_s``).
+
+    ``share`` and ``drain``: cut, ``p``'s first token comes one or more rounds later: each such
+    round costs the fixed round time (overhead, extend path, the decode tokens), which a whole
+    remainder does not pay again. Whole, the decode tokens riding along this round wait for the
+    rest of the prompt's work instead. The prompt takes its whole remainder when it gains more
+    than one decode gap loses, and when that round is predicted within :data:`FINISH_STRETCH` x
+    the round budget (so the rule cannot make a long gap: a cache hit's few hundred tokens, a
+    prompt's last slice). Found on bench_serving's shared-prefix run (issue 30): a hit of ~230
+    tokens after a 1,024-token cached prefix was cut at 128-192 tokens and took 2-3 rounds,
+    11-12 of 29 hits per run, each paying a round's fixed cost again before its first token.
+
+    ``behind``: prompts waiting to prefill behind ``p``. Each round ``p`` takes delays their
+    first tokens too, so the gain counts ``1 + behind`` times, and the round may stretch to
+    ``max_round_s`` (what a prefill round with no decode may take,
+    :func:`~.slices.lone_slice`) instead of :data:`FINISH_STRETCH` x the budget: with a queue,
+    slicing a prompt that one such round finishes only moves decode's gap into every queued
+    prompt's TTFT (issue 39, bench_serving random-ids at concurrency 16: TTFT median
+    1.09-1.19x stock's, output throughput 0.94-0.95x, each 500-1,500-token arrival cut into
+    64-token slices beside 15 decode streams).
 
     ``tolerated_s``: the worst gap the running streams have already had, as the caller measures
     it, in the model's time. Slicing a prompt finer never makes decode's tokens come sooner on

@@ -518,7 +518,7 @@ def _slice_beside_shorts(
     next grid point and the progress floor, :func:`~.slices.progress_floor`)
     until decode + slice + shorts fit the budget."""
     if tokens >= long.remaining:
-        # a round that finishes it (finish_whole) is not cut back for shorts: they are
+        # a round that finishes it (whole_reason) is not cut back for shorts: they are
         # given what the round has left (room_behind)
         return tokens
     waiting = [p for p in pending if p is not long]

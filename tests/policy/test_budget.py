@@ -340,7 +340,7 @@ def test_generous_deadline_keeps_decode_at_its_target():
     assert "long" in done_at
     assert all(decoded for _, _, decoded in log)  # decode ran every round
     # overspent by one grid step at most, but for the round that finishes the prompt
-    # (finish_whole: within FINISH_STRETCH x the budget)
+    # (whole_reason's share: within FINISH_STRETCH x the budget)
     over = [t for _, t, _ in log if t > budget + step]
     assert len(over) <= 1 and all(t <= FINISH_STRETCH * budget for t in over)
     if over:
@@ -370,7 +370,7 @@ def test_a_prompt_that_must_run_alone_still_lets_decode_in(factor):
     done_at, log = simulate([p], DECODE, cfg, interleave=True)
     assert done_at["long"] <= deadline
     assert {plan.mode for plan, _, _ in log[:-1]} <= {"alone", "interleave", "grow"}
-    # the last round may finish the prompt beside decode (finish_whole)
+    # the last round may finish the prompt beside decode (whole_reason's share)
     assert log[-1][0].mode in {"alone", "interleave", "grow", "share"}
     carried = [i for i, (plan, _, _) in enumerate(log) if plan.mix_decode]
     n = len(log)
@@ -893,9 +893,10 @@ def test_decode_never_waits_two_finishing_rounds_in_a_row():
 
 
 def test_a_hits_remainder_is_taken_whole_when_its_later_rounds_cost_more():
-    """finish_whole (issue 30): a cache hit with a few hundred tokens left beside decode takes
-    them in one round (within FINISH_STRETCH x the budget) instead of a cut and another round."""
-    from sglang_kda.policy.finish import finish_whole
+    """whole_reason's share (issue 30): a cache hit with a few hundred tokens left beside decode
+    takes them in one round (within FINISH_STRETCH x the budget) instead of a cut and another
+    round."""
+    from sglang_kda.policy.finish import whole_reason
 
     cfg = replace(CFG, max_slowdown=0)
     budget = round_budget(MODEL, DECODE, cfg)
@@ -907,7 +908,7 @@ def test_a_hits_remainder_is_taken_whole_when_its_later_rounds_cost_more():
     )  # fmt: skip
     assert share < rest  # the budget alone would cut it
     hit = Prefill("hit", deadline=1e9, done=1024, total=1024 + rest)
-    whole = finish_whole(MODEL, DECODE, hit, share, budget, cfg)
+    whole = whole_reason(MODEL, DECODE, hit, share, budget, cfg) is not None
     cut_rounds = finish_time(MODEL, DECODE, hit, share, cfg)
     one = MODEL.predict(BatchShape(tuple(DECODE), (Slice(1024, rest),)))
     cut = MODEL.predict(BatchShape(tuple(DECODE), (Slice(1024, share),)))
@@ -918,11 +919,11 @@ def test_a_hits_remainder_is_taken_whole_when_its_later_rounds_cost_more():
         assert plan.tokens == rest and plan.mix_decode
     # past the stretch: cut as before
     big = Prefill("big", deadline=1e9, done=1024, total=1024 + rest + 4 * cfg.grid)
-    assert not finish_whole(MODEL, DECODE, big, share, budget, cfg)
+    assert whole_reason(MODEL, DECODE, big, share, budget, cfg) is None
     # no decode: nothing to weigh (the lone prefill's rules apply)
-    assert not finish_whole(MODEL, (), hit, share, budget, cfg)
+    assert whole_reason(MODEL, (), hit, share, budget, cfg) is None
     # already whole
-    assert not finish_whole(MODEL, DECODE, hit, rest, budget, cfg)
+    assert whole_reason(MODEL, DECODE, hit, rest, budget, cfg) is None
 
 
 def test_a_round_finishing_its_head_leaves_its_spare_time_to_those_behind():
@@ -990,7 +991,7 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
     waiting) a 2,000-token prompt sliced to the round budget delays every queued prompt's first
     token by the rounds it adds. With prompts behind it the gain counts once per waiting prompt
     and the round may stretch to ``max_round_s``; alone in the queue it is cut as before."""
-    from sglang_kda.policy.finish import finish_whole
+    from sglang_kda.policy.finish import whole_reason
 
     cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
     decode = (1200,) * 4
@@ -1004,8 +1005,8 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
     plan = plan_round(CPU_TINY, cfg, 0.0, decode, [head, *queued])
     assert (plan.rid, plan.mode, plan.tokens, plan.mix_decode) == ("head", "drain", 2000, True)
     share = alone.tokens
-    assert not finish_whole(CPU_TINY, decode, head, share, budget, cfg)
-    assert finish_whole(CPU_TINY, decode, head, share, budget, cfg, behind=3)
+    assert whole_reason(CPU_TINY, decode, head, share, budget, cfg) is None
+    assert whole_reason(CPU_TINY, decode, head, share, budget, cfg, behind=3) is not None
     # a round past max_round_s is still cut, queue or not
     big = Prefill("big", deadline=1e9, done=0, total=4096)
     assert plan_round(CPU_TINY, cfg, 0.0, decode, [big, *queued]).mode != "drain"
