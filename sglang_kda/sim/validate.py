@@ -41,7 +41,8 @@ from sglang_kda.sim.calibrate import (
     speed_factor,
     streams_timing,
 )
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
 LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
