@@ -88,6 +88,15 @@ class SimConfig:
     host_checkpoints: the host tier's state slots (HiCache's host state pool,
         ``--kda-host-state-pool``; 0: none): :class:`~sglang_kda.sim.tree.RadixTree`'s
         ``host_checkpoints``.
+    overlap: SGLang's overlap scheduler (the server's default; off under
+        ``--disable-overlap-schedule``, which the launcher adds under ``no_buffer``): a round is
+        planned and launched before the previous round's result is processed, and that result
+        (its tokens, finished requests, the tree inserts of its checkpoints and of finished
+        requests) is processed after the next round's forward (the CPU engine runs the forward
+        inside the launch), or at once when no round follows. A prompt finished in a round
+        decodes in the next; a request whose last token comes with the unprocessed result sits
+        the next round out (SGLang's ``_reqs_finishing_inflight``); the unprocessed round's
+        slices count as twin leaders (``PassBook``) and its prefills as launched for the budget.
     host_load_s: the time one host-only state takes to load back to the device (state bytes per
         GPU / PCIe bandwidth: :func:`sglang_kda.sim.pd.host_load_s`), added to the round
         whose admission matched it.
@@ -120,6 +129,7 @@ class SimConfig:
     seed: int = 0
     host_checkpoints: int = 0
     host_load_s: float = 0.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -165,8 +175,13 @@ class SimConfig:
         ``max_prefill_tokens``, ``max_running_requests``, ``enable_mixed_chunk``, the tree caps,
         and simulator-only settings such as ``ingress_s``). A ``checkpoint_every`` given here
         stands for the spacing the launcher resolved (on CUDA, memory parity) in place of the
-        flag's 0."""
+        flag's 0. ``overlap``: on unless ``disable_overlap_schedule`` or
+        ``mamba_radix_cache_strategy="no_buffer"`` (under which the launcher disables it) is
+        given, or ``overlap`` itself."""
         kc = flags if flags is not None else KDAConfig()
+        server = dict(server)
+        no_overlap = bool(server.pop("disable_overlap_schedule", False))
+        no_overlap |= server.pop("mamba_radix_cache_strategy", "extra_buffer") == "no_buffer"
         page = int(server.get("page_size", 1))
         chunk = int(server.get("chunked_prefill_size", 8192))
         values: dict = dict(
@@ -176,6 +191,7 @@ class SimConfig:
             eviction=kc.eviction,
             budget=budget_config(kc, page, chunk) if kc.budget_on else None,
             max_checkpoints=kc.checkpoint_pool_size or None,
+            overlap=not no_overlap,
         )
         values.update(server)
         return cls(**values)

@@ -26,11 +26,13 @@ appends the prefill's ``output_id`` on a successful transfer, then streams it). 
 reports both: ``token_times[0]`` (so ``SimReq.ttft``) is the landing, the client's first token;
 :attr:`PDResult.sampled` holds the prefill side's sample time. Not modelled: the decode side's
 ``max_running_requests`` and KV pool (a landing joins the running batch at once), bootstrap and
-queueing handshakes, link sharing between transfers of different prefill ranks.
+queueing handshakes, link sharing between transfers of different prefill ranks, the overlap
+scheduler on the prefill side (``SimConfig.overlap`` is turned off there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -125,7 +127,11 @@ def simulate_pd(
             max_checkpoints=cfg.max_checkpoints,
             max_tokens=cfg.max_tokens,
         )
-    pre = [Rank(cfg, cost, i, record=True) for i in range(pd.prefill_ranks)]
+    # the prefill side samples a prompt's one token with its last slice (after_prefill_round
+    # pairs a round with the requests it finished): SGLang's PD prefill loop is its own, and the
+    # overlap model (SimConfig.overlap) is not applied to it
+    pre_cfg = dataclasses.replace(cfg, overlap=False) if cfg.overlap else cfg
+    pre = [Rank(pre_cfg, cost, i, record=True) for i in range(pd.prefill_ranks)]
     dec = [Rank(decode_cfg, cost, pd.prefill_ranks + j) for j in range(pd.decode_ranks)]
     loop = EventLoop(trace, pre + dec)
     route = ROUTERS[router]()

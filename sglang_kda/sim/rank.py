@@ -169,6 +169,8 @@ class Rank:
         self.waiting: list[SimReq] = []
         self.running: list[SimReq] = []  # decoding
         self.chunked: Optional[SimReq] = None
+        # the overlap scheduler's launched batch whose result is not processed yet
+        self.pending: Optional[Batch] = None
         self.now = 0.0
         self.rounds: list[RoundRecord] = [] if record else None
         self.n_rounds = 0
@@ -213,7 +215,7 @@ class Rank:
     # -- queue --------------------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.pending)
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running) + (self.chunked is not None)
@@ -262,22 +264,33 @@ class Rank:
     def step(self) -> float:
         """Run one round starting at ``self.now``; returns its duration (0: nothing to do).
 
-        A round is four steps: :meth:`plan` (the budget's decision), :meth:`admit` (the
-        admission pass), :meth:`launch` (the batch's shape, its time, the clock) and
-        :meth:`after_forward` (what the round's result does: the request bookkeeping, the tree
-        inserts, the tokens, finished requests)."""
-        plan = self.plan()
-        slices = self.admit(plan)
-        batch = self.launch(plan, slices)
-        if batch is None:
-            return 0.0
-        self.after_forward(batch)
-        return batch.dt
+        A round is :meth:`plan` (the budget's decision), :meth:`admit` (the admission pass),
+        :meth:`launch` (the batch's shape, its time, the clock), then the result
+        (:meth:`after_forward`: :meth:`advance`, what is known once the forward ran, and
+        :meth:`process_result`, the checkpoints, tokens and finished requests). Under the
+        overlap scheduler (``SimConfig.overlap``) the result of a round is deferred: the next
+        round advances it, is planned and launched, and only then is it processed (at the end
+        of that round's forward, or at once when no round is launched)."""
+        prev, self.pending = self.pending, None
+        if prev is not None:
+            self.advance(prev)
+        plan = self.plan(prev)
+        slices = self.admit(plan, prev)
+        batch = self.launch(plan, slices, prev)
+        if self.cfg.overlap:
+            self.pending = batch
+            if prev is not None:
+                self.process_result(prev, self.now)
+        elif batch is not None:
+            self.after_forward(batch)
+        return 0.0 if batch is None else batch.dt
 
-    def plan(self) -> RoundPlan:
+    def plan(self, prev: Optional[Batch] = None) -> RoundPlan:
         """The round's budgets: the chunk budget, the in-flight request's share, whether decode
         mixes in, or a paced round (the serial budget's decision; the token budgets without it).
-        The plan's head request (EDF among those at risk) is moved to the queue's head."""
+        The plan's head request (EDF among those at risk) is moved to the queue's head. ``prev``:
+        the launched batch whose result is not processed yet (overlap): its prefills are
+        ``launched`` for the planner (their deadlines are booked when the result comes)."""
         cfg = self.cfg
         decode_ctx = [r.ctx for r in self.running]
         plan = RoundPlan(
@@ -293,13 +306,16 @@ class Rank:
             )
             queue = [(r.rid, d) for r, d in zip(self.waiting, done, strict=True)]
             queue += [(r.rid, r.prefix) for r in ([self.chunked] if self.chunked else [])]
+            inputs = dict(self.plan_inputs)
+            if prev is not None:
+                inputs["launched"] = [r.rid for r, _, _ in prev.slices]
             dec = self.planner.decide(
                 self.cost,
                 self.now,
                 decode_ctx,
                 queue,
                 inflight=self.chunked.rid if self.chunked else None,
-                **{"decode_worst": [r.worst_gap for r in self.running], **self.plan_inputs},
+                **{"decode_worst": [r.worst_gap for r in self.running], **inputs},
             )
             self.last_decision = dec
             if dec is not None:
@@ -315,9 +331,11 @@ class Rank:
             plan.chunk_budget = max(1, plan.chunk_budget - (len(decode_ctx) if not cfg.kda else 0))
         return plan
 
-    def admit(self, plan: RoundPlan) -> list[tuple[SimReq, int, int]]:
+    def admit(self, plan: RoundPlan, prev: Optional[Batch] = None) -> list[tuple[SimReq, int, int]]:
         """The admission pass under ``plan``: the in-flight chunked request first, then waiting
-        requests in queue order; returns the round's prefill slices ``(req, start, end)``."""
+        requests in queue order; returns the round's prefill slices ``(req, start, end)``.
+        ``prev``'s slices, whose checkpoints are not in the tree yet (overlap), count as twin
+        leaders too (the server's ``PassBook``)."""
         cfg = self.cfg
         keep, cap, paced = plan.keep, plan.cap, plan.paced
         # The admission pass is the server's (sglang_kda.policy.adder.AdderRound); only the
@@ -359,6 +377,7 @@ class Rank:
                 st.round_chunked = True
                 closed = not cfg.kda  # stock: the chunk took the round's whole budget
         leaders: list[Leader] = [Leader(r.ids, s, e) for r, s, e in slices]
+        pending = [Leader(r.ids, s, e) for r, s, e in prev.slices] if prev is not None else []
         skipped: list[SimReq] = []  # twins waiting for a leader: they stay in the queue
         while self.waiting and not closed:
             if rem_chunk <= 0 or n_run >= cfg.max_running_requests:
@@ -368,7 +387,7 @@ class Rank:
             # the server matches every request its loop reaches (init_next_round_input), and a
             # request turned down keeps that prefix: the budget's next plan sees it
             r.prefix = m.length
-            if st.twin_waits(r.ids, m.length, self._limit(r), leaders):
+            if st.twin_waits(r.ids, m.length, self._limit(r), leaders + pending):
                 # The server's add_one_req returns CONTINUE: no budget spent, next request.
                 skipped.append(self.waiting.pop(0))
                 continue
@@ -403,15 +422,22 @@ class Rank:
         self.waiting[:0] = skipped  # the skipped twins keep their places at the queue's head
         return slices
 
-    def launch(self, plan: RoundPlan, slices: list) -> Optional[Batch]:
+    def launch(
+        self, plan: RoundPlan, slices: list, prev: Optional[Batch] = None
+    ) -> Optional[Batch]:
         """The round's batch (its prefill ``slices``, the running requests if decode runs) and
         its time (the cost model's, or a replay's measured one); the rank's clock moves to its
-        end. ``None``: nothing to run."""
+        end. ``None``: nothing to run. A request whose last token comes with ``prev``'s result
+        (overlap) does not decode (SGLang's ``_reqs_finishing_inflight``)."""
         cfg = self.cfg
-        if not slices and not self.running:
+        running = self.running
+        if prev is not None:
+            last = set(map(id, prev.dec)) | {id(r) for r, _, _ in prev.slices}
+            running = [r for r in running if not (id(r) in last and r.generated + 1 >= r.out)]
+        if not slices and not running:
             return None
         run_decode = not slices or plan.mix
-        dec = list(self.running) if run_decode else []
+        dec = list(running) if run_decode else []
         shape = BatchShape(tuple(r.ctx for r in dec), tuple(Slice(s, e - s) for _, s, e in slices))
         if self.clock is not None:  # a replayed round: its measured time
             dt = self.clock(shape)
@@ -429,8 +455,6 @@ class Rank:
         start, end = self.now, self.now + dt
         self.now = end
         self.n_rounds += 1
-        if self.planner is not None:  # as the server's step_ran: a shared round that overshot
-            self.planner.observed(dt, bool(slices), bool(dec))
         if self.rounds is not None:
             self.rounds.append(
                 RoundRecord(
@@ -445,26 +469,31 @@ class Rank:
         return Batch(slices, dec, start, end, dt, plan.paced)
 
     def after_forward(self, batch: Batch) -> None:
-        """What the round's result does: the prefill slices' progress and checkpoints, the
-        chunked request carried on, the tokens sampled at the round's end, finished requests'
-        inserts, the running batch."""
+        """The round's result, processed at once (without the overlap scheduler)."""
+        self.advance(batch)
+        self.process_result(batch, batch.end)
+
+    def advance(self, batch: Batch) -> None:
+        """What is known once the forward ran, before its result is processed: the prefill
+        slices' progress; a request that goes on is stashed (its chunk end into the tree, its
+        lock moved there: SGLang's ``stash_chunked_request``, which the overlap scheduler runs
+        when it plans the next round); a request whose prompt is done joins the running batch
+        (SGLang merges the last batch into it). Without overlap the slices' grid checkpoints
+        go in here too, with the chunk end; under it :meth:`process_result` inserts them."""
         cfg = self.cfg
-        slices, end = batch.slices, batch.end
         if not batch.paced:  # a paced round leaves the in-flight chunked request where it was
             self.chunked = None
-        for r, s, e in slices:
+        for r, s, e in batch.slices:
             r.computed += e - s
             r.prefix = e
             r.rounds += 1
             unfinished = e < len(r.ids)
-            marks = []
-            if cfg.kda:
-                marks = grid_positions(s, e - s, cfg.spacing)
+            marks = [] if cfg.overlap else self._grid_marks(s, e)
             if unfinished:
                 marks.append(e)  # SGLang's chunk-end stash
             if cfg.page_size > 1:  # the tree is paged: a state off a page boundary has no node
                 marks = [p for p in marks if p % cfg.page_size == 0]
-            if marks:  # the cap is enforced once the whole step is in (below)
+            if marks:  # the cap is enforced once the whole step is in (process_result)
                 self.tree.insert(r.ids, marks, start=r.node, end=e, enforce=False)
             if unfinished:
                 node = self.tree.match(r.ids, e, start=r.node).node
@@ -472,24 +501,45 @@ class Rank:
                     self.tree.relock(r, node)
                 self.chunked = r
             else:
-                if self.planner is not None:
-                    self.planner.book.finish(r.rid, end)
                 r.state = "decode"
+                if r not in self.running:  # it joins the running batch (order kept)
+                    self.running.append(r)
+
+    def process_result(self, batch: Batch, t: float) -> None:
+        """The round's result, processed at ``t`` (the round's end; under overlap, the end of
+        the next round's forward, or when no round follows): the step's time observed, the
+        grid checkpoints (overlap), the cap, the tokens sampled in the round, finished requests
+        (their inserts), the running batch."""
+        cfg = self.cfg
+        if self.planner is not None:  # as the server's step_ran: a shared round that overshot
+            self.planner.observed(batch.dt, bool(batch.slices), bool(batch.dec))
+        for r, s, e in batch.slices:
+            marks = self._grid_marks(s, e) if cfg.overlap else []
+            if cfg.page_size > 1:
+                marks = [p for p in marks if p % cfg.page_size == 0]
+            if marks:  # beside the request's path: its lock may sit deeper already
+                self.tree.insert(r.ids, marks, end=e, enforce=False)
+        for r, _, e in batch.slices:
+            if e >= len(r.ids) and self.planner is not None:
+                self.planner.book.finish(r.rid, t)
         # The server sheds tree states past the cap after a prefill step's inserts, then
         # inserts finished requests (each insert enforcing the cap again).
         self.tree.enforce_caps()
-        for r, _, _ in slices:
+        for r, _, _ in batch.slices:
             if r.state == "decode":
-                self._emit(r, end)
+                self._emit(r, t)
         for r in batch.dec:
-            self._emit(r, end)
-        # Requests that finished prefill this round join the running batch (order kept).
+            self._emit(r, t)
         self.running = [r for r in self.running if r.state == "decode"]
-        for r, _, _ in slices:
-            if r.state == "decode" and r not in self.running:
-                self.running.append(r)
         if cfg.integrity:
-            self.tree.check(list(self.running) + ([self.chunked] if self.chunked else []))
+            held = list(self.running) + ([self.chunked] if self.chunked else [])
+            if self.pending is not None:  # admitted in the launched round, not advanced yet
+                held += [r for r, _, _ in self.pending.slices if r not in held]
+            self.tree.check(held)
+
+    def _grid_marks(self, s: int, e: int) -> list:
+        """``kda``: the checkpoints inside a computed slice ``[s, e)``."""
+        return grid_positions(s, e - s, self.cfg.spacing) if self.cfg.kda else []
 
     def _emit(self, r: SimReq, t: float) -> None:
         r.generated += 1

@@ -32,7 +32,9 @@ from sglang_kda.policy.cost_model import Coefficients, CostModel
 from sglang_kda.sim.config import SimConfig
 from sglang_kda.sim.rank import Rank, SimReq
 
-SIM_ONLY = {"finished_state": "prompt", "integrity": True}
+# The log's header does not say which scheduler ran: the replay models the one without overlap
+# (``no_buffer``, under which the launcher disables it, and its finished requests' states).
+SIM_ONLY = {"finished_state": "prompt", "integrity": True, "overlap": False}
 
 
 @dataclass
