@@ -27,7 +27,8 @@ from sglang_kda.cache import eviction
 from sglang_kda.sim import trace as T
 from sglang_kda.sim import validate as V
 from sglang_kda.sim.costs import KimiLinearH200
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import percentile, summarize
 
 REPO = Path(__file__).resolve().parents[1]

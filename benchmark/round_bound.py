@@ -33,7 +33,8 @@ from sglang_kda.config import KDAConfig  # noqa: E402
 from sglang_kda.wiring import budget as runtime  # noqa: E402
 from sglang_kda.sim import costs  # noqa: E402
 from sglang_kda.sim import trace as T  # noqa: E402
-from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
+from sglang_kda.sim.config import SimConfig  # noqa: E402
+from sglang_kda.sim.engine import simulate  # noqa: E402
 
 from kda_harness.bench import md_table  # noqa: E402
 

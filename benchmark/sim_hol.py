@@ -62,7 +62,9 @@ from sglang_kda.policy.grid import longest_fit
 from sglang_kda.sim import costs as C
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200, kda_steps_abs, prefill_alone
-from sglang_kda.sim.engine import SimConfig, SimReq, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
+from sglang_kda.sim.rank import SimReq
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmark" / "results" / "sim_hol"

@@ -37,10 +37,12 @@ import kda_harness as harness
 from kda_harness import pyplot, save_png
 from sglang_kda.policy import spacing
 from sglang_kda.config import KDAConfig
-from sglang_kda.sim import engine
 from sglang_kda.sim import mooncake as mc
 from sglang_kda.sim.costs import KDA_LAYERS, KimiLinearH200
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
+from sglang_kda.sim.rank import Rank
+from sglang_kda.sim.router import ROUTERS
 from sglang_kda.numbers import GAP_KEYS, gaps_text
 from sglang_kda.sim.metrics import percentile, summarize
 
@@ -66,10 +68,10 @@ def config(policy: str, plan: dict) -> SimConfig:
         max_checkpoints=plan["checkpoints"],
         max_tokens=plan["kv_tokens"],
     )
-    if policy == "stock":
-        return SimConfig(policy="stock", **base)
+    if policy == "stock":  # the overlap scheduler, as SimConfig.from_flags resolves for kda
+        return SimConfig(policy="stock", overlap=True, **base)
     if policy == "stock+mixed":
-        return SimConfig(policy="stock", enable_mixed_chunk=True, **base)
+        return SimConfig(policy="stock", enable_mixed_chunk=True, overlap=True, **base)
     # the server's defaults from the flag registry (the serial budget as the launcher builds
     # it), with the spacing the CUDA launcher resolves at TP8 (memory parity)
     return SimConfig.from_flags(KDAConfig(), checkpoint_every=kda_spacing(plan), **base)
@@ -102,18 +104,18 @@ class Progress:
 def run(policy: str, trace, args, plan: dict, cost, ideal: int, horizon: float) -> tuple:
     cfg = config(policy, plan)
     prog = Progress(policy, args.progress, horizon)
-    step = engine.Rank.step
+    step = Rank.step
 
     def traced(rank):  # the engine's round, with a progress line now and then
         prog(rank)
         return step(rank)
 
-    engine.Rank.step = traced
+    Rank.step = traced
     t0, c0 = time.monotonic(), time.process_time()
     try:
         res = simulate(trace, cfg, cost, dp=args.dp, router=args.router)
     finally:
-        engine.Rank.step = step
+        Rank.step = step
     wall, cpu = time.monotonic() - t0, time.process_time() - c0
     s = summarize(res)
     ttfts = [r.ttft for r in res.requests if r.token_times]
@@ -171,7 +173,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--tp", type=int, default=None, help="TP per rank (default 8 / dp)")
-    ap.add_argument("--router", choices=sorted(engine.ROUTERS), default="prefix")
+    ap.add_argument("--router", choices=sorted(ROUTERS), default="prefix")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--progress", type=float, default=300.0, help="simulated s between lines")
     ap.add_argument("--tag", default=None, help="output file stem")

@@ -49,7 +49,8 @@ from sglang_kda.numbers import GAP_KEYS, gaps_text, worst_gaps
 from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[1]

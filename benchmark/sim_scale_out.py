@@ -39,10 +39,12 @@ import sim_mooncake as smc  # noqa: E402 - benchmark/sim_mooncake.py: the kda co
 import kda_harness as harness  # noqa: E402
 from sglang_kda.config import KDAConfig  # noqa: E402
 from kda_harness import pyplot, save_png  # noqa: E402
-from sglang_kda.sim import costs, engine  # noqa: E402
+from sglang_kda.sim import costs  # noqa: E402
 from sglang_kda.sim import mooncake as mc  # noqa: E402
 from sglang_kda.sim.costs import KimiLinearH200  # noqa: E402
-from sglang_kda.sim.engine import SimConfig, simulate  # noqa: E402
+from sglang_kda.sim.config import SimConfig  # noqa: E402
+from sglang_kda.sim.engine import simulate  # noqa: E402
+from sglang_kda.sim.rank import Rank  # noqa: E402
 from sglang_kda.sim.metrics import percentile  # noqa: E402
 from sglang_kda.numbers import gaps_text, worst_gaps  # noqa: E402
 from sglang_kda.sim.pd import PDConfig, host_load_s, simulate_pd  # noqa: E402
@@ -70,7 +72,7 @@ def kda_config(plan: dict) -> SimConfig:
 
 def traced(label: str, every: float, horizon: float):
     prog = smc.Progress(label, every, horizon)
-    step = engine.Rank.step
+    step = Rank.step
 
     def wrapped(rank):
         prog(rank)
@@ -81,12 +83,12 @@ def traced(label: str, every: float, horizon: float):
 
 def run_timed(label: str, args, horizon: float, fn):
     step, wrapped = traced(label, args.progress, horizon)
-    engine.Rank.step = wrapped
+    Rank.step = wrapped
     t0, c0 = time.monotonic(), time.process_time()
     try:
         res = fn()
     finally:
-        engine.Rank.step = step
+        Rank.step = step
     return res, time.monotonic() - t0, time.process_time() - c0
 
 

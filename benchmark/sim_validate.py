@@ -137,6 +137,16 @@ def finished_state(server_args: list[str]) -> str:
     return "prompt" if "--mamba-radix-cache-strategy no_buffer" in joined else "tracked"
 
 
+def overlap(server_args: list[str]) -> bool:
+    """Whether the server ran SGLang's overlap scheduler (``SimConfig.overlap``): unless
+    ``--disable-overlap-schedule``, which the launcher adds under ``no_buffer``."""
+    joined = " ".join(server_args)
+    return not (
+        "--disable-overlap-schedule" in joined
+        or "--mamba-radix-cache-strategy no_buffer" in joined
+    )
+
+
 def collect(policy: str, args, tmp: Path) -> dict:
     """Run the calibration and every workload on a real server; the raw per-request records.
 
@@ -163,7 +173,8 @@ def collect(policy: str, args, tmp: Path) -> dict:
         env={TRACE_ENV: str(trace_path)},
     )
     raw: dict = {"policy": policy, "quick": args.quick, "chunk": CHUNK, "format": 4, "rounds": [],
-                 "finished_state": finished_state(args.server_args)}  # fmt: skip
+                 "finished_state": finished_state(args.server_args),
+                 "overlap": overlap(args.server_args)}  # fmt: skip
     try:
         # Warm-up (one-time costs).
         asyncio.run(run_trace(server.url, T.repeats(n=2, length=300, out=4)))
@@ -264,6 +275,13 @@ def main() -> int:
         help="the simulator's finished_state (default: the records' own, else 'prompt', "
         "which records made before it was recorded, under no_buffer, need)",
     )
+    ap.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default=None,
+        help="the simulator's model of the overlap scheduler (default: the records' own, else "
+        "off)",
+    )
     ap.add_argument("--dir", default=None, help=f"records and results (default {OUT_DIR})")
     ap.add_argument(
         "--trace",
@@ -299,6 +317,7 @@ def main() -> int:
             model_path=OUT_DIR / f"cpu_cost_model_{policy}.json",
             finished_state=args.finished_state,
             trace_path=args.trace,
+            overlap=None if args.overlap is None else args.overlap == "on",
         )
     verdict = write(rows, tuple(args.latency_metrics.split(",")))
     print(verdict)

@@ -407,7 +407,7 @@ def budget_config(kcfg: KDAConfig, page_size: int, chunked_prefill_size: int) ->
     """The serial budget's settings from the ``--kda-*`` flags and the scheduler's page and chunk
     sizes: slices end on the checkpoint grid and take at most the chunk size, rounded down to the
     grid. The server (:mod:`sglang_kda.wiring.budget`) and the simulator
-    (:meth:`sglang_kda.sim.engine.SimConfig`) both build it here."""
+    (:meth:`sglang_kda.sim.config.SimConfig`) both build it here."""
     from sglang_kda.policy.budget import BudgetConfig
     from sglang_kda.policy.grid import checkpoint_grid
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang_kda.policy.cost_model import BatchShape, Slice
-from sglang_kda.sim.engine import SimReq
+from sglang_kda.sim.rank import SimReq
 from sglang_kda.steps import batch_shape, read_steps, row_shape, step_row, write_step
 
 

@@ -16,7 +16,9 @@ import sys
 
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200, cpu_model
-from sglang_kda.sim.engine import ROUTERS, SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
+from sglang_kda.sim.router import ROUTERS
 from sglang_kda.sim.metrics import summarize
 
 

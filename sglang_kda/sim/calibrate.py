@@ -31,7 +31,7 @@ import numpy as np
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, nnls
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS
-from sglang_kda.sim.engine import SimConfig
+from sglang_kda.sim.config import SimConfig
 from sglang_kda.numbers import worst_gaps
 from sglang_kda.sim.metrics import percentile
 from sglang_kda.steps import row_shape

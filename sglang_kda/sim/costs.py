@@ -256,7 +256,7 @@ class KimiLinearH200:
         Triton kernel in SGLang's KDA slot) the KDA chunk steps at :data:`KDA_KERNEL_RATIO` x
         fla's (``self`` when already so); otherwise ``self`` (stock: SGLang's kernel). The
         variant is built once per model, so DP ranks share its memo. The simulator's ranks call
-        this (:class:`sglang_kda.sim.engine.Rank`)."""
+        this (:class:`sglang_kda.sim.rank.Rank`)."""
         ratio = KDA_KERNEL_RATIO if kda else self.kda_ratio
         if ratio == self.kda_ratio:
             return self

@@ -1,6 +1,7 @@
 """Scale-out in the simulator: prefill/decode disaggregation (PD) and the host tier's load time.
 
-PD (:func:`simulate_pd`) composes the engine's own ranks (:class:`sglang_kda.sim.engine.Rank`):
+PD (:func:`simulate_pd`) composes the engine's own ranks (:class:`sglang_kda.sim.rank.Rank`) on the
+engine's event loop (:class:`sglang_kda.sim.engine.EventLoop`):
 
 * **prefill ranks** run the scheduler as configured (``cfg``: the policy, its cuts, budget,
   tree and caps), with every request's output set to one token: a prompt's last prefill round
@@ -25,19 +26,25 @@ appends the prefill's ``output_id`` on a successful transfer, then streams it). 
 reports both: ``token_times[0]`` (so ``SimReq.ttft``) is the landing, the client's first token;
 :attr:`PDResult.sampled` holds the prefill side's sample time. Not modelled: the decode side's
 ``max_running_requests`` and KV pool (a landing joins the running batch at once), bootstrap and
-queueing handshakes, link sharing between transfers of different prefill ranks.
+queueing handshakes, link sharing between transfers of different prefill ranks, the overlap
+scheduler on the prefill side (``SimConfig.overlap`` is turned off there).
 """
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_kda.sim import costs
-from sglang_kda.sim.engine import ROUTERS, Rank, SimConfig, SimReq
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import ARRIVE, EventLoop
+from sglang_kda.sim.rank import Rank, SimReq
+from sglang_kda.sim.router import ROUTERS
 from sglang_kda.sim.trace import Trace
+
+LAND = 2  # a request's transfer landed on the decode side (an event of the engine's loop)
 
 
 def state_bytes_per_gpu(tp: int) -> float:
@@ -110,7 +117,6 @@ def simulate_pd(
 ) -> PDResult:
     """Run ``trace`` on ``pd.prefill_ranks`` prefill and ``pd.decode_ranks`` decode ranks (see
     the module docstring). ``router`` picks the prefill rank (the engine's routers)."""
-    trace.validate()
     if decode_cfg is None:
         decode_cfg = SimConfig(
             policy="stock",
@@ -121,42 +127,29 @@ def simulate_pd(
             max_checkpoints=cfg.max_checkpoints,
             max_tokens=cfg.max_tokens,
         )
-    pre = [Rank(cfg, cost, i, record=True) for i in range(pd.prefill_ranks)]
+    # the prefill side samples a prompt's one token with its last slice (after_prefill_round
+    # pairs a round with the requests it finished): SGLang's PD prefill loop is its own, and the
+    # overlap model (SimConfig.overlap) is not applied to it
+    pre_cfg = dataclasses.replace(cfg, overlap=False) if cfg.overlap else cfg
+    pre = [Rank(pre_cfg, cost, i, record=True) for i in range(pd.prefill_ranks)]
     dec = [Rank(decode_cfg, cost, pd.prefill_ranks + j) for j in range(pd.decode_ranks)]
+    loop = EventLoop(trace, pre + dec)
     route = ROUTERS[router]()
-    reqs = {
-        tr.id: SimReq(tr.id, trace.prompt(tr), tr.out, math.nan, tr.deadline_s)
-        for tr in trace.requests
-    }
+    reqs = loop.reqs
     outs = {rid: r.out for rid, r in reqs.items()}
-    children: dict[str, list] = {}
-    heap: list = []  # (time, seq, kind, rid): kind 0 arrival, 1 transfer landed
-    seq = 0
-    for tr in trace.requests:
-        if tr.after is None:
-            heap.append((tr.t, seq, 0, tr.id))
-            seq += 1
-        else:
-            children.setdefault(tr.after, []).append(tr)
-    heapq.heapify(heap)
     res = PDResult(list(reqs.values()), pre, dec, 0.0, [])
     link_free = [0.0] * len(pre)
     started: set = set()  # requests whose KV has begun to leave (their cached prefix went)
     done_prefill: list[SimReq] = []
 
-    def released(r: SimReq) -> None:
-        nonlocal seq
-        for tr in children.get(r.rid, ()):
-            heapq.heappush(heap, (r.finish + tr.delay, seq, 0, tr.id))
-            seq += 1
-
     for rk in pre:
         rk.on_finish = done_prefill.append
     for rk in dec:
-        rk.on_finish = released
+        rk.on_finish = loop.release
 
     def after_prefill_round(rk: Rank) -> None:
-        nonlocal seq
+        if rk not in pre:  # a decode rank
+            return
         rec = rk.rounds[-1] if rk.rounds else None
         rk.rounds.clear()
         if rec is None:
@@ -176,15 +169,19 @@ def simulate_pd(
                 r.out = outs[rid]
                 res.sampled[rid] = r.token_times[0]
                 r.state, r.finish = "transfer", math.nan
-                heapq.heappush(heap, (link_free[rk.id], seq, 1, rid))
-                seq += 1
+                loop.push(link_free[rk.id], LAND, rid)
+
+    def arrive(r: SimReq, t: float) -> None:
+        r.arrival = t
+        r.out = 1  # the prefill side samples one token
+        route.pick(pre, r).enqueue(r, t)
 
     def land(r: SimReq, t: float) -> None:
         res.landed[r.rid] = t
         r.token_times[0] = t  # the client's first token: the decode side streams it
         if r.generated >= r.out:
             r.state, r.finish = "done", t
-            released(r)
+            loop.release(r)
             return
         rk = min(dec, key=lambda d: (len(d.running), d.id))
         if not rk.busy:
@@ -192,38 +189,11 @@ def simulate_pd(
         r.rank, r.state, r.node = rk.id, "decode", None
         rk.running.append(r)
 
-    last = 0.0
-    rounds = 0
-    while True:
-        t_ev = heap[0][0] if heap else math.inf
-        busy = [rk for rk in pre + dec if rk.busy]
-        t_rank = min((rk.now for rk in busy), default=math.inf)
-        if t_ev == math.inf and t_rank == math.inf:
-            break
-        if min(t_ev, t_rank) > horizon_s:
-            break
-        if t_ev <= t_rank:
-            t, _, kind, rid = heapq.heappop(heap)
-            r = reqs[rid]
-            if kind == 0:
-                r.arrival = t
-                r.out = 1  # the prefill side samples one token
-                route.pick(pre, r).enqueue(r, t)
-            else:
-                land(r, t)
-            continue
-        rk = min(busy, key=lambda k: (k.now, k.id))
-        if rk.now < last - 1e-12:
-            raise RuntimeError("time went backwards")
-        last = rk.now
-        rk.step()
-        if rk in pre:
-            after_prefill_round(rk)
-        rounds += 1
-        if rounds > max_rounds:
-            raise RuntimeError("simulation did not converge (max_rounds)")
-    res.unfinished = [r for r in reqs.values() if r.state != "done"]
+    loop.handlers = {ARRIVE: arrive, LAND: land}
+    loop.after_step = after_prefill_round
+    loop.run(horizon_s, max_rounds)
+    res.unfinished = loop.unfinished()
     for r in res.unfinished:
         r.out = outs[r.rid]
-    res.end_time = max([rk.now for rk in pre + dec] + [0.0])
+    res.end_time = loop.end_time()
     return res

@@ -2,7 +2,7 @@
 
 The server writes the log with ``--kda-round-log FILE`` (:mod:`sglang_kda.wiring.round_log`).
 The replay builds one simulated rank from the log's header (the ``--kda-*`` flags through
-:meth:`sglang_kda.sim.engine.SimConfig.from_flags`, and the scheduler's page size, chunk, input
+:meth:`sglang_kda.sim.config.SimConfig.from_flags`, and the scheduler's page size, chunk, input
 budget and request cap), then for each logged pass of the scheduler's loop:
 
 1. the requests the scheduler saw arrive enter the simulated queue (same ids, same output
@@ -29,9 +29,12 @@ from typing import Optional
 
 from sglang_kda.config import KDAConfig
 from sglang_kda.policy.cost_model import Coefficients, CostModel
-from sglang_kda.sim.engine import Rank, SimConfig, SimReq
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.rank import Rank, SimReq
 
-SIM_ONLY = {"finished_state": "prompt", "integrity": True}
+# The log's header does not say which scheduler ran: the replay models the one without overlap
+# (``no_buffer``, under which the launcher disables it, and its finished requests' states).
+SIM_ONLY = {"finished_state": "prompt", "integrity": True, "overlap": False}
 
 
 @dataclass

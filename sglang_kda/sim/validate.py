@@ -41,7 +41,8 @@ from sglang_kda.sim.calibrate import (
     speed_factor,
     streams_timing,
 )
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
 LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
@@ -143,15 +144,21 @@ def workloads(quick: bool = False, trace_path: str | Path | None = None) -> dict
 
 
 def sim_config(
-    policy: str, timing: dict, factors: tuple = (), finished_state: str = "tracked"
+    policy: str,
+    timing: dict,
+    factors: tuple = (),
+    finished_state: str = "tracked",
+    overlap: bool = False,
 ) -> SimConfig:
     """The simulator configured as the validation server runs (``--chunked-prefill-size``
     :data:`~sglang_kda.sim.calibrate.CHUNK`, FCFS; ``finished_state``: ``tracked`` under the
     default ``extra_buffer``, ``prompt`` under ``no_buffer``), with the fitted per-request timing
-    (``ingress_s``, ``idle_wake_s``, ``ingress_gap_s``) and round-time spread."""
+    (``ingress_s``, ``idle_wake_s``, ``ingress_gap_s``) and round-time spread; ``overlap``:
+    the overlap scheduler's model (``SimConfig.overlap``)."""
     return SimConfig(
         policy=policy,
         finished_state=finished_state,
+        overlap=overlap,
         chunked_prefill_size=CHUNK,
         max_prefill_tokens=131072,
         integrity=True,
@@ -242,6 +249,7 @@ def evaluate(
     model_path=None,
     finished_state: str | None = None,
     trace_path: str | Path | None = None,
+    overlap: bool | None = None,
 ) -> list[dict]:
     """Fit the CPU cost model on all the calibrations (saved to ``model_path`` when given, with
     its timing: ``python -m sglang_kda.sim --cost cpu:FILE``); simulate every workload of every
@@ -249,11 +257,13 @@ def evaluate(
     (interpolated to its time; ``speed_from="own"``: the workload's own steps' speed, a
     diagnostic) and the round-time spread of the round's two calibrations; compare the means
     over rounds (:func:`compare`). ``finished_state``: the simulator's (default: the records'
-    own, else ``prompt``: records made before it was recorded ran ``no_buffer``).
+    own, else ``prompt``: records made before it was recorded ran ``no_buffer``); ``overlap``:
+    the overlap scheduler's model (default: the records' own, else off).
     ``trace_path``: the Mooncake trace (default: the one the records name, else
     :func:`mooncake_path`'s). Only workloads that every round recorded and whose trace is here are
     evaluated; the others are named."""
     finished_state = finished_state or raw.get("finished_state", "prompt")
+    overlap = raw.get("overlap", False) if overlap is None else overlap
     if raw.get("format") not in (3, 4):
         raise ValueError(
             "these raw records predate the step-trace calibration; rerun without --from-raw"
@@ -323,7 +333,7 @@ def evaluate(
             real = from_records(tr, rnd["workloads"][name])
             sim, res = simulate_seeds(
                 tr,
-                sim_config(policy, timing, factors, finished_state),
+                sim_config(policy, timing, factors, finished_state, overlap),
                 model,
                 seeds if factors else 1,
             )

@@ -185,7 +185,8 @@ def test_planner_lets_decode_into_a_prefill_that_must_run_alone():
 def _sim(policy, **kw):
     from sglang_kda.sim import trace as T
     from sglang_kda.sim.costs import cpu_model
-    from sglang_kda.sim.engine import SimConfig, simulate
+    from sglang_kda.sim.config import SimConfig
+    from sglang_kda.sim.engine import simulate
 
     cost = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))
     tr = T.short_behind_long(long_prompt=6000, shorts=4, first_short_s=0.03, gap_s=0.03)

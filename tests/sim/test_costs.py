@@ -141,7 +141,8 @@ def test_kda_policy_pays_the_measured_kernel_ratio():
 
     from sglang_kda.policy.cost_model import Slice
     from sglang_kda.sim import costs
-    from sglang_kda.sim.engine import Rank, SimConfig
+    from sglang_kda.sim.config import SimConfig
+    from sglang_kda.sim.rank import Rank
 
     assert costs.KDA_KERNEL_RATIO == 1.29 == round(1.871 / 1.453, 2)
     for tp in (1, 4, 8):

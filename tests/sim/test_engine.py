@@ -15,7 +15,8 @@ from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import Coefficients, CostModel
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200, cpu_model
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
 COST = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))
@@ -275,7 +276,7 @@ def test_tracked_finished_state_is_the_last_state_extra_buffer_tracked():
     of the decode track interval (on the grid) the output passed, the deeper one. Issue 36: the
     server computed 2,848 prompt tokens of sim_validate's multi_turn, the simulator at the
     prompt's end 2,400."""
-    from sglang_kda.sim.engine import tracked_state
+    from sglang_kda.sim.config import tracked_state
 
     assert tracked_state(300, 319, 64, 64) == 256  # no grid point passed in the output
     assert tracked_state(300, 399, 64, 64) == 384  # decode tracked at 320 and 384

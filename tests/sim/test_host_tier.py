@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from sglang_kda.policy.cost_model import Coefficients
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import cpu_model
-from sglang_kda.sim.engine import Rank, SimConfig, SimReq, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
+from sglang_kda.sim.rank import Rank, SimReq
 from sglang_kda.sim.tree import RadixTree
 
 

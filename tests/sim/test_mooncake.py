@@ -7,7 +7,8 @@ import json
 import pytest
 
 from sglang_kda.sim import mooncake as mc
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 
 B = mc.BLOCK
 

@@ -10,7 +10,8 @@ from sglang_kda.policy.cost_model import Coefficients
 from sglang_kda.sim import costs
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import cpu_model
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.pd import PDConfig, host_load_s, simulate_pd
 
 COST = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sglang_kda.policy.cost_model import Coefficients
 from sglang_kda.sim.costs import cpu_model
-from sglang_kda.sim.engine import Rank, SimConfig, SimReq
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.rank import Rank, SimReq
 
 COST = cpu_model(coef=Coefficients(2e-3, 2e-5, 2e-4, 1e-9, 1e-8))
 A = tuple(range(1, 1025))

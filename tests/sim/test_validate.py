@@ -33,7 +33,8 @@ from sglang_kda.sim import calibrate as C
 from sglang_kda.sim import mooncake as mc
 from sglang_kda.sim import validate as V
 from sglang_kda.sim.costs import TINY_KDA_LAYERS, TINY_MLA_LAYERS, cpu_model
-from sglang_kda.sim.engine import SimConfig, simulate
+from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[2]
