@@ -68,13 +68,16 @@ def config(policy: str, plan: dict) -> SimConfig:
         max_checkpoints=plan["checkpoints"],
         max_tokens=plan["kv_tokens"],
     )
-    if policy == "stock":  # the overlap scheduler, as SimConfig.from_flags resolves for kda
-        return SimConfig(policy="stock", overlap=True, **base)
+    if policy == "stock":
+        return SimConfig(policy="stock", **base)
     if policy == "stock+mixed":
-        return SimConfig(policy="stock", enable_mixed_chunk=True, overlap=True, **base)
+        return SimConfig(policy="stock", enable_mixed_chunk=True, **base)
     # the server's defaults from the flag registry (the serial budget as the launcher builds
     # it), with the spacing the CUDA launcher resolves at TP8 (memory parity)
-    return SimConfig.from_flags(KDAConfig(), checkpoint_every=kda_spacing(plan), **base)
+    # overlap off: SimConfig.overlap models the CPU engine's timing, not a GPU's
+    return SimConfig.from_flags(
+        KDAConfig(), checkpoint_every=kda_spacing(plan), overlap=False, **base
+    )
 
 
 class Progress:

@@ -67,6 +67,7 @@ def kda_config(plan: dict) -> SimConfig:
         max_running_requests=1024,
         max_checkpoints=plan["checkpoints"],
         max_tokens=plan["kv_tokens"],
+        overlap=False,  # SimConfig.overlap models the CPU engine's timing, not a GPU's
     )
 
 

@@ -7,7 +7,7 @@ step. Both hosts drive it the same way:
 
 * the server: ``patches/schedule_policy.py`` keeps one beside each ``PrefillAdder``; the glue
   that reads SGLang's requests and applies the answers is :mod:`sglang_kda.wiring.adder`;
-* the simulator: :meth:`sglang_kda.sim.engine.Rank.step` builds one per round.
+* the simulator: :meth:`sglang_kda.sim.rank.Rank.step` builds one per round.
 
 The rules:
 

@@ -97,6 +97,9 @@ class SimConfig:
         decodes in the next; a request whose last token comes with the unprocessed result sits
         the next round out (SGLang's ``_reqs_finishing_inflight``); the unprocessed round's
         slices count as twin leaders (``PassBook``) and its prefills as launched for the budget.
+        This is the CPU engine's timing (validated against the CPU server); on a GPU the result
+        is processed while the next forward runs, so the H200 tables (``sim_mooncake.py``,
+        ``sim_scale_out.py``) run without it until a GPU server's round log says how to model it.
     host_load_s: the time one host-only state takes to load back to the device (state bytes per
         GPU / PCIe bandwidth: :func:`sglang_kda.sim.pd.host_load_s`), added to the round
         whose admission matched it.
