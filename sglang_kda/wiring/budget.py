@@ -23,8 +23,8 @@ remembers lives here, so it can be tested without a server:
 * The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
   model/device/dtype, :func:`sglang_kda.cost_store.default_cache_path`) and saved after
   :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
-* Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``), registered once per
-  process, only where SGLang runs with metrics (``PROMETHEUS_MULTIPROC_DIR`` set).
+* Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``): the ``budget``
+  group of :mod:`sglang_kda.metrics`.
 
 The methods take plain values (ids, token counts, seconds); the functions at the end of the
 module are the thin edge that reads them off SGLang's objects and applies a round's orders to the
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from sglang_kda.cache.probe import cached_prefix, planned_done
 from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
 from sglang_kda.policy.budget import BudgetConfig
-from sglang_kda import cost_store
+from sglang_kda import cost_store, metrics
 from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit
 from sglang_kda.policy.finish import StreamGaps
 from sglang_kda.policy.plan import Decision, RoundPlanner
@@ -57,48 +57,6 @@ FIRST_SAVE = 32  # the fitted cost model is saved after this many steps ...
 SAVE_EVERY = 200  # ... and every this many
 DRIFT_LOG_EVERY = 100  # steps between two drift warnings
 DEADLINE_FIELD = "sampling_params.custom_params.ttft_deadline_ms"
-
-# -- metrics -------------------------------------------------------------------------------------
-_PROM: dict | None = None
-
-
-def _prom() -> dict:
-    """This process's metrics, registered on first use (empty without SGLang's metrics)."""
-    global _PROM
-    if _PROM is None:
-        _PROM = {}
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import Counter, Gauge, Histogram
-
-            p = "sglang_kda_budget_"
-            _PROM["rounds"] = Counter(p + "rounds", "Rounds planned, by mode", ["mode"])
-            _PROM["met"] = Counter(p + "deadlines_met", "Prefills finished by their deadline")
-            _PROM["missed"] = Counter(p + "deadlines_missed", "Prefills finished late")
-            _PROM["infeasible"] = Counter(
-                p + "infeasible", "Prefills that could not meet their deadline even alone"
-            )
-            _PROM["rejected"] = Counter(p + "rejected", "Infeasible prefills refused (400)")
-            _PROM["slack"] = Histogram(
-                p + "slack_at_completion_seconds",
-                "Deadline minus finish time of each prefill (negative: late)",
-                buckets=(-60, -10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            )
-            _PROM["err"] = Gauge(
-                "sglang_kda_cost_model_error",
-                "Relative prediction error of the cost model on real steps (EMA)",
-                multiprocess_mode="livemax",
-            )
-            _PROM["steps"] = Counter("sglang_kda_cost_model_steps", "Steps fed to the cost model")
-            _PROM["drift"] = Counter(
-                "sglang_kda_cost_model_drift", "Steps observed while the prediction error drifts"
-            )
-    return _PROM
-
-
-def _inc(name: str, value: float = 1, **labels: str) -> None:
-    m = _prom().get(name)
-    if m is not None:
-        (m.labels(**labels) if labels else m).inc(value)
 
 
 # -- plain facts about a model and a request -----------------------------------------------------
@@ -293,7 +251,7 @@ class BudgetRuntime:
         p, infeasible = self.book.admit(self.model, rid, now, total, done, override_s, arrival)
         if not infeasible:
             return None
-        _inc("infeasible")
+        metrics.inc("budget_infeasible")
         alone = self.model.alone_time(done, total, self.cfg.max_slice)
         msg = (
             f"ttft deadline {(p.deadline - now) * 1e3:.0f} ms cannot be met: the {total}-token "
@@ -302,7 +260,7 @@ class BudgetRuntime:
         logger.warning("infeasible prefill %s: %s", rid, msg)
         if not self.reject:
             return None
-        _inc("rejected")
+        metrics.inc("budget_rejected")
         self.book.drop(rid)
         return msg
 
@@ -373,7 +331,7 @@ class BudgetRuntime:
         self.last_round["tolerated_s"] = self.planner.tolerated  # the round log's replay input
         self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:
-            _inc("rounds", mode=dec.plan.mode)
+            metrics.inc("budget_rounds", mode=dec.plan.mode)
         return dec
 
     def launched(
@@ -426,12 +384,11 @@ class BudgetRuntime:
         """Feed one timed step to the online fit; log drift; save the model now and then."""
         f = self.fit
         f.observe(shape, seconds)
-        _inc("steps")
-        m = _prom().get("err")
-        if m is not None and f.error_ema is not None:
-            m.set(f.error_ema)
+        metrics.inc("cost_model_steps")
+        if f.error_ema is not None:
+            metrics.set_gauge("cost_model_error", f.error_ema)
         if f.drifting:
-            _inc("drift")
+            metrics.inc("cost_model_drift")
             if f.n_observed - self.last_drift_log >= DRIFT_LOG_EVERY:
                 self.last_drift_log = f.n_observed
                 logger.warning(
@@ -454,10 +411,8 @@ class BudgetRuntime:
         if res is None:
             return
         met, left = res
-        _inc("met" if met else "missed")
-        h = _prom().get("slack")
-        if h is not None:
-            h.observe(left)
+        metrics.inc("budget_deadlines_met" if met else "budget_deadlines_missed")
+        metrics.observe("budget_slack_at_completion_seconds", left)
 
     def report(self) -> dict:
         """What ``/server_info`` shows under ``sglang_kda.budget``."""
@@ -628,7 +583,7 @@ def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
         [getattr(r, "prefix_len", 0) or 0 for r in waiting],
         lambda i: cached_prefix(tree, waiting[i]),
     )
-    queue = [(r.rid, d) for r, d in zip(waiting, done)]
+    queue = [(r.rid, d) for r, d in zip(waiting, done, strict=False)]
     if chunked is not None:
         queue.append((chunked.rid, 0))
     return queue, (chunked.rid if chunked is not None else None)
