@@ -23,8 +23,9 @@ from sglang_kda.policy.admission import Leader
 from sglang_kda.state import RECENT_CUTS, pass_book
 
 # The serial budget's share for the in-flight request in the round being built, (keep, cap)
-# (:func:`sglang_kda.policy.slices.make_room`): set by :func:`sglang_kda.wiring.budget.round_inputs`
-# for the one call of upstream's batch builder it wraps; (None, None) otherwise.
+# (:func:`sglang_kda.policy.slices.make_room`): set by
+# :func:`sglang_kda.wiring.scheduler_budget.round_inputs` for the one call of upstream's batch
+# builder it wraps; (None, None) otherwise.
 ROUND_SHARE: ContextVar[tuple] = ContextVar("sglang_kda_round_share", default=(None, None))
 
 

@@ -119,7 +119,7 @@ def open_log(sched: Any, kcfg: Any) -> Optional[RoundLog]:
     if kcfg.round_log and getattr(sched, "tp_rank", 0) == 0:
         from dataclasses import asdict
 
-        from sglang_kda.wiring.budget import layer_counts
+        from sglang_kda.wiring.scheduler_budget import layer_counts
 
         path = kcfg.round_log
         dp = getattr(sched, "dp_rank", None)
