@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
+from sglang_kda import context
 from sglang_kda.policy.plan import Decision
 from sglang_kda.steps import batch_shape, prefill_slices
 from sglang_kda.wiring.adder import ROUND_SHARE
@@ -39,12 +40,13 @@ def layer_counts(linear_attn_config: Any) -> tuple[int, int]:
 
 
 def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
-    """The scheduler's budget runtime, built on first use (``sched._kda_budget``, which
-    :mod:`sglang_kda.report` reads); ``None`` where the budget does not apply. Building it turns
-    SGLang's mixed chunks on: from then on each round's plan decides whether decode mixes in."""
-    st = getattr(sched, "_kda_budget", False)
-    if st is not False:
-        return st
+    """The scheduler's budget runtime, built on first use (the ``budget`` of its
+    :class:`~sglang_kda.context.SchedulerContext`, which :mod:`sglang_kda.report` reads); ``None``
+    where the budget does not apply. Building it turns SGLang's mixed chunks on: from then on
+    each round's plan decides whether decode mixes in."""
+    ctx = context.of(sched)
+    if ctx.budget_opened:
+        return ctx.budget
     from sglang_kda.config import KDAConfig
 
     st = None
@@ -69,7 +71,7 @@ def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
         if st is not None:
             sched.is_mixed_chunk = True  # per round, the plan decides
     finally:
-        sched._kda_budget = st
+        ctx.budget, ctx.budget_opened = st, True
     return st
 
 
@@ -165,7 +167,7 @@ def run_timed(sched: Any, batch: Any, run: Callable, *args: Any, **kwargs: Any) 
     """``run(sched, batch, ...)`` (upstream's ``run_batch``), its launch stamped on the planning
     rank with the batch's shape and prefills, keyed by the result it returns
     (:meth:`BudgetRuntime.launched`; overlap runs ahead, so the batch is no key)."""
-    st = getattr(sched, "_kda_budget", None)
+    st = context.of(sched).budget
     if not (st and st.leader):
         return run(sched, batch, *args, **kwargs)
     shape, prefills = batch_shape(batch), prefills_in(batch)
@@ -186,7 +188,7 @@ def step_done(sched: Any, result: Any, batch: Any = None) -> None:
     """The step that returned ``result`` is processed: time it and book its prefills
     (:meth:`BudgetRuntime.finished`), and see its requests' output tokens (the decode streams'
     worst gaps, :class:`~sglang_kda.policy.finish.StreamGaps`)."""
-    st = getattr(sched, "_kda_budget", None)
+    st = context.of(sched).budget
     if st:
         now = time.monotonic()
         st.finished(result, time.perf_counter(), now)

@@ -23,7 +23,7 @@ from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.wiring import adder as ad
 from sglang_kda.wiring.adder import leaders_of
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
-from sglang_kda import state as kda_state
+from sglang_kda import context
 from sglang_kda.state import RECENT_CUTS
 
 COEF = Coefficients(overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_prefill_round=1e-3)
@@ -403,7 +403,7 @@ def _overlap_passes(book_owner, leader, follower_ids, processed_late: bool):
     ad.begin_pass(st1, book_owner)
     ad.book_slice(st1, book_owner, leader)
     if not processed_late:
-        kda_state.slices_processed(book_owner, [leader])
+        context.of(book_owner).pass_book.processed([leader])
     st2 = AdderRound(64)
     ad.begin_pass(st2, book_owner)
     return st2, st2.twin_waits(follower_ids, 0, len(follower_ids) - 1, st2.pending)
@@ -423,7 +423,7 @@ def test_under_overlap_a_twin_waits_for_the_previous_rounds_unprocessed_slice():
 
 def test_pending_slices_last_one_round_and_leave_in_launch_order():
     owner, req = NS(), NS(full_untruncated_fill_ids=list(range(300)), prefix_len=0, extend_end=64)
-    book = kda_state.pass_book(owner)
+    book = context.of(owner).pass_book
     book.begin()
     book.admitted(req, ad.leader_of(req))  # pass 1: [0, 64)
     assert len(book.begin()) == 1  # pass 2 sees it
