@@ -29,8 +29,7 @@ from statistics import median
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sglang_kda.config import KDAConfig  # noqa: E402
-from sglang_kda.wiring import budget as runtime  # noqa: E402
+from sglang_kda.config import KDAConfig, budget_config  # noqa: E402
 from sglang_kda.sim import costs  # noqa: E402
 from sglang_kda.sim import trace as T  # noqa: E402
 from sglang_kda.sim.config import SimConfig  # noqa: E402
@@ -68,7 +67,7 @@ def config(name: str, policy: str, bound_ms: float) -> SimConfig:
     budget = None
     if policy == "kda":
         kcfg = KDAConfig(max_round_ms=bound_ms)
-        budget = runtime.budget_config(kcfg, PAGE, chunk)
+        budget = budget_config(kcfg, PAGE, chunk)
     return SimConfig(
         policy=policy,
         chunked_prefill_size=chunk,

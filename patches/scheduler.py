@@ -8,32 +8,32 @@ Upstream: ``Scheduler._get_new_batch_prefill_raw`` builds a prefill batch whenev
 Why: a waiting chunked prefill takes every round, so decode stalls for the whole prompt (or, with
     mixed chunks, rides along a slice priced in tokens, not in the serial KDA steps and MLA
     attention it costs), and nothing promises the prompt a finish time.
-How: each round :func:`sglang_kda.wiring.budget.plan_round` books the requests new in the
+How: each round :func:`sglang_kda.wiring.scheduler_budget.plan_round` books the requests new in the
     queue (deadline: the server default or ``sampling_params.custom_params.ttft_deadline_ms``,
-    counted from when the tokenizer manager took the request; under ``--kda-reject-infeasible
-    on`` one that cannot meet it even alone is aborted, a 400) and plans the round
+    counted from when the tokenizer manager took the request; under ``--kda-reject-infeasible on``
+    one that cannot meet it even alone is aborted, a 400) and plans the round
     (:meth:`~sglang_kda.wiring.budget.BudgetRuntime.plan`,
-    :class:`sglang_kda.policy.plan.RoundPlanner`). At TP > 1, TP rank 0 plans and broadcasts
-    the orders over the TP CPU group in this same call on every rank (whenever anything is
-    queued, which all ranks see alike), so all ranks build the same batch.
-    :func:`~sglang_kda.wiring.budget.round_inputs` then sets, for upstream's call only, the two
-    inputs it reads at its top: ``self.chunked_prefill_size`` (the chunk budget; the mixed decode
-    tokens upstream takes out of it are given back) and ``self.is_mixed_chunk`` (decode rides
-    along or waits); it moves the plan's head (earliest deadline among those at risk) to the
-    front after upstream's ``calc_priority`` and hands the in-flight request's share
-    (``keep``/``cap``) to ``make_room``'s wiring on the policy object
-    (``patches/schedule_policy.py``). A paced round returns no prefill batch, so decode runs
-    alone; an in-flight chunked request, stashed by ``get_next_batch_to_run``, resumes later.
-    Upstream's ``PrefillAdder`` admits and cuts as always, so every upstream memory and budget
-    check still holds. ``run_batch`` + ``process_batch_result`` time each step for the cost
-    model's online fit and book each prefill's progress and finish, keyed by the step's result
-    object (:func:`~sglang_kda.wiring.budget.run_timed`, :func:`~sglang_kda.wiring.budget.
-    step_done`), so the overlap scheduler's run-ahead cannot pair one batch's shape with
-    another's time. Only with the serial budget (``--kda-budget serial``, or ``auto`` under
-    ``--kda-policy kda``) on models with KDA layers, chunked prefill and one pipeline stage
-    (:func:`~sglang_kda.wiring.budget.why_off`); otherwise upstream runs untouched.
-    Alternating prefill and decode rounds (``--prefill-decode-interval``) was the other seam: it
-    pays a forward's fixed cost twice per decode token and cannot give a slice less than a round.
+    :class:`sglang_kda.policy.plan.RoundPlanner`). At TP > 1, TP rank 0 plans and broadcasts the
+    orders over the TP CPU group in this same call on every rank (whenever anything is queued, which
+    all ranks see alike), so all ranks build the same batch.
+    :func:`~sglang_kda.wiring.scheduler_budget.round_inputs` then sets, for upstream's call only,
+    the two inputs it reads at its top: ``self.chunked_prefill_size`` (the chunk budget; the mixed
+    decode tokens upstream takes out of it are given back) and ``self.is_mixed_chunk`` (decode rides
+    along or waits); it moves the plan's head (earliest deadline among those at risk) to the front
+    after upstream's ``calc_priority`` and hands the in-flight request's share (``keep``/``cap``) to
+    ``make_room``'s wiring on the policy object (``patches/schedule_policy.py``). A paced round
+    returns no prefill batch, so decode runs alone; an in-flight chunked request, stashed by
+    ``get_next_batch_to_run``, resumes later. Upstream's ``PrefillAdder`` admits and cuts as always,
+    so every upstream memory and budget check still holds. ``run_batch`` + ``process_batch_result``
+    time each step for the cost model's online fit and book each prefill's progress and finish,
+    keyed by the step's result object (:func:`~sglang_kda.wiring.scheduler_budget.run_timed`,
+    :func:`~sglang_kda.wiring.scheduler_budget.step_done`), so the overlap scheduler's run-ahead
+    cannot pair one batch's shape with another's time. Only with the serial budget (``--kda-budget
+    serial``, or ``auto`` under ``--kda-policy kda``) on models with KDA layers, chunked prefill and
+    one pipeline stage (:func:`~sglang_kda.wiring.budget.why_off`); otherwise upstream runs
+    untouched. Alternating prefill and decode rounds (``--prefill-decode-interval``) was the other
+    seam: it pays a forward's fixed cost twice per decode token and cannot give a slice less than a
+    round.
 Seam: rebinding the three methods (upstream's reachable as ``__wrapped__``).
 Remove when: upstream schedules prefill by predicted time with deadlines (no such plan upstream).
 """
@@ -57,7 +57,7 @@ def wanted(ctx) -> bool:
 def apply(ctx) -> None:
     import importlib
 
-    from sglang_kda.wiring import budget as rt
+    from sglang_kda.wiring import scheduler_budget as rt
 
     cls = importlib.import_module(UPSTREAM).Scheduler
     if getattr(cls, "_sglang_kda_budget_patched", False):

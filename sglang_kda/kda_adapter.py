@@ -44,6 +44,9 @@ extend from :data:`FLAG_ATTR` and its KV pool's page size."""
 FLAG_ATTR = "_sglang_kda_checkpoint_every_flag"
 """Class attribute of ``KDAAttnBackend`` set by the patch: ``--kda-checkpoint-every`` under the
 kda policy (None: no capture)."""
+RECORDER_ATTR = "_sglang_kda_recorder"
+"""The :class:`ForwardRecorder` of a linear-attention backend (the model runner's side: it never
+sees the scheduler, so this is not in :mod:`sglang_kda.context`)."""
 
 
 def capture_every(backend) -> int:
@@ -101,9 +104,10 @@ class ForwardRecorder:
 
 
 def recorder_of(backend) -> ForwardRecorder:
-    rec = backend.__dict__.get("_sglang_kda_recorder")
+    rec = backend.__dict__.get(RECORDER_ATTR)
     if rec is None:
-        rec = backend._sglang_kda_recorder = ForwardRecorder()
+        rec = ForwardRecorder()
+        setattr(backend, RECORDER_ATTR, rec)
     return rec
 
 
@@ -111,7 +115,7 @@ def hand_over(model_runner, result) -> None:
     """Move the capture of the forward that just ran onto ``result`` (SGLang's batch result,
     which the scheduler keeps with its batch until it processes it)."""
     backend = getattr(getattr(model_runner, "attn_backend", None), "linear_attn_backend", None)
-    rec = None if backend is None else backend.__dict__.get("_sglang_kda_recorder")
+    rec = None if backend is None else backend.__dict__.get(RECORDER_ATTR)
     if rec is not None and result is not None:
         setattr(result, RESULT_ATTR, rec.take())
 

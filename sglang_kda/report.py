@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sglang_kda import state
+from sglang_kda import context, state
 
 
 def _size(obj, attr: str = "available_size") -> int | None:
@@ -94,7 +94,7 @@ def scheduler_report(ctx, scheduler=None) -> dict:
             scheduler, walk_under_load=ctx.config.debug_integrity == "on"
         )
     if "scheduler" in report["patches"] and scheduler is not None:
-        st = getattr(scheduler, "_kda_budget", None)
+        st = context.of(scheduler).budget
         report["budget"] = st.report() if st else {"mode": "off (stock scheduling)"}
     return report
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from sglang_kda import context
 from sglang_kda.cache.eviction import GRID, Candidate, StateBook, pick_victims
 from sglang_kda.cache.stats import STATS
 
@@ -122,12 +123,9 @@ def held_states(tree_cache) -> int:
 
 
 def state_book(tree_cache) -> StateBook:
-    """The record of tree nodes holding a state (and their last use) kept for ``tree_cache``."""
-    book = getattr(tree_cache, "_kda_state_book", None)
-    if book is None:
-        book = StateBook()
-        tree_cache._kda_state_book = book
-    return book
+    """The record of tree nodes holding a state (and their last use) kept for ``tree_cache``
+    (in its scheduler's :class:`~sglang_kda.context.SchedulerContext`)."""
+    return context.of(tree_cache).state_book
 
 
 def note_state(tree_cache, node_id, depth: Optional[int] = None) -> None:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from sglang_kda import context
+
 logger = logging.getLogger(__name__)
 
 
@@ -108,11 +110,12 @@ class HostBook:
 
 
 def host_book(tree_cache) -> HostBook:
-    book = getattr(tree_cache, "_kda_host_book", None)
-    if book is None:
-        book = HostBook()
-        tree_cache._kda_host_book = book
-    return book
+    """The :class:`HostBook` of ``tree_cache``'s scheduler
+    (:class:`~sglang_kda.context.SchedulerContext`), made on first use."""
+    ctx = context.of(tree_cache)
+    if ctx.host_book is None:
+        ctx.host_book = HostBook()
+    return ctx.host_book
 
 
 def note_state_node(tree_cache, node_id, last_access: Optional[int] = None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from sglang_kda import faults, state
+from sglang_kda import context, faults, state
 from sglang_kda.cache import evict_drive
 from sglang_kda.cache.capture import ForwardCapture
 from sglang_kda.cache.eviction import parse_eviction
@@ -53,7 +53,7 @@ class AfterPrefill:
             held = tree.enforce_caps()
             STATS.set_held(held, held * nbytes)
         # the twin rule's pending leaders (overlap scheduler)
-        state.slices_processed(tree_cache, reqs)
+        context.of(tree_cache).pass_book.processed(reqs)
         if faults.AFTER_PREFILL and tree_cache.supports_mamba():
             faults.after_prefill(tree_cache, reqs)
         if self.debug and tree_cache.supports_mamba():

@@ -6,7 +6,7 @@ not a look. It splits the node where the prompt diverges, refreshes the matched 
 (LRU lists, access times), copies the matched KDA state into the request's slot (allocating or
 evicting one) and, through the ``mamba_component`` patch, marks the state hit in the eviction
 book. A planner that runs before the admission pass (the serial budget,
-:func:`sglang_kda.wiring.budget.round_queue`) must not do any of that for a request it only
+:func:`sglang_kda.wiring.round_queue.round_queue`) must not do any of that for a request it only
 plans; :func:`cached_prefix` gives it the number without side effects.
 
 What admission grants: the depth of the deepest node on the prompt's path that holds a device
@@ -27,7 +27,7 @@ loads them back only when it can); the probe may then be short of the grant, nev
 unless the tree changes between the probe and the admission.
 
 Which requests are probed (:func:`planned_done`, the rule the server's planner queue
-(:func:`sglang_kda.wiring.budget.round_queue`) and the simulator's share): those whose
+(:func:`sglang_kda.wiring.round_queue.round_queue`) and the simulator's share): those whose
 ``prefix_len`` SGLang has not set (0: never matched, retracted, or matched without a hit, which a
 fresh look can only improve on), the first :data:`PROBE_LIMIT` of them in queue order; the rest
 keep 0 as before. A probe costs 20-40 us on the Rust core for a 2,000-token prompt (this CPU,

@@ -17,14 +17,16 @@ import dataclasses
 from contextvars import ContextVar
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from sglang_kda import context
 from sglang_kda.cache.stats import STATS
 from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.policy.admission import Leader
-from sglang_kda.state import RECENT_CUTS, pass_book
+from sglang_kda.state import RECENT_CUTS
 
 # The serial budget's share for the in-flight request in the round being built, (keep, cap)
-# (:func:`sglang_kda.policy.slices.make_room`): set by :func:`sglang_kda.wiring.budget.round_inputs`
-# for the one call of upstream's batch builder it wraps; (None, None) otherwise.
+# (:func:`sglang_kda.policy.slices.make_room`): set by
+# :func:`sglang_kda.wiring.scheduler_budget.round_inputs` for the one call of upstream's batch
+# builder it wraps; (None, None) otherwise.
 ROUND_SHARE: ContextVar[tuple] = ContextVar("sglang_kda_round_share", default=(None, None))
 
 
@@ -49,13 +51,13 @@ def leaders_of(reqs: Iterable[Any]) -> list[Leader]:
 def begin_pass(st: AdderRound, tree_cache: Any) -> None:
     """A ``PrefillAdder`` was built: note the previous pass's unprocessed slices as leaders."""
     if st.twins_wait:
-        st.pending = pass_book(tree_cache).begin()
+        st.pending = context.of(tree_cache).pass_book.begin()
 
 
 def book_slice(st: AdderRound, tree_cache: Any, req: Any) -> None:
     """``req`` was admitted (or continues chunked) in this pass: book its slice."""
     if st.twins_wait:
-        pass_book(tree_cache).admitted(req, leader_of(req))
+        context.of(tree_cache).pass_book.admitted(req, leader_of(req))
 
 
 def waiting_work(req: Any) -> int:

@@ -1,55 +1,43 @@
-"""The serial budget in one scheduler process: its planner, its cost model, its metrics.
+"""The serial budget's runtime, one per scheduler process: its planner, its cost model.
 
-``patches/scheduler.py`` wires this into SGLang's ``Scheduler``; everything that decides or
-remembers lives here, so it can be tested without a server:
+:class:`BudgetRuntime` holds the round planner (:class:`sglang_kda.policy.plan.RoundPlanner`),
+the online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`), the step clock
+(:class:`sglang_kda.wiring.step_clock.StepClock`) and what the server reports under
+``/server_info`` ``sglang_kda.budget``. Each round (:meth:`BudgetRuntime.plan`) it books the
+requests new in the queue (their deadlines; refusing one that cannot meet it even alone) and
+plans the round; it learns from each timed step and books a prefill's progress and finish. Its
+methods take plain values (ids, token counts, seconds), so it is tested without a server;
+:mod:`sglang_kda.wiring.scheduler_budget` reads them off SGLang's scheduler.
 
-* :class:`BudgetRuntime`: the round planner (:class:`sglang_kda.policy.plan.RoundPlanner`), the
-  online cost-model fit (:class:`sglang_kda.policy.cost_model.OnlineFit`) and what the server
-  reports under ``/server_info`` ``sglang_kda.budget``. Each round (:meth:`BudgetRuntime.plan`)
-  it books the requests new in the queue (their deadlines; refusing one that cannot meet it even
-  alone) and plans the round; it learns from each timed step and books a prefill's progress and
-  finish.
 * **TP ranks agree.** Every TP rank runs its own scheduler over the same queue, and all must run
   the same batch. One rank (TP rank 0, the *leader*) plans from its own clock and timings; the
   round's :class:`Orders` (the decision and the refusals) go to the other ranks through
   ``share`` (the scheduler's TP CPU group, as SGLang shares the requests it receives:
-  :func:`tp_share`), so every rank applies the same plan. Only the leader times steps, fits and
-  saves the cost model, books deadlines and exports metrics; the others count the rounds they
-  apply. The exchange happens in every round with something to prefill, a state all ranks share,
-  so no rank waits on a broadcast the others skip.
-* :class:`StepClock`: each step timed from its launch to its result, keyed by the step's
-  result object, so the overlap scheduler's run-ahead (batch N+1 launched before batch N's
-  result is processed) cannot pair one batch's shape with another's time.
+  :func:`sglang_kda.wiring.scheduler_budget.tp_share`), so every rank applies the same plan.
+  Only the leader times steps, fits and saves the cost model, books deadlines and exports
+  metrics; the others count the rounds they apply. The exchange happens in every round with
+  something to prefill, a state all ranks share, so no rank waits on a broadcast the others skip.
 * The cost-model file: loaded at start (``--kda-cost-model``, or a cache file per
   model/device/dtype, :func:`sglang_kda.cost_store.default_cache_path`) and saved after
   :data:`FIRST_SAVE` steps and every :data:`SAVE_EVERY`.
-* Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``), registered once per
-  process, only where SGLang runs with metrics (``PROMETHEUS_MULTIPROC_DIR`` set).
-
-The methods take plain values (ids, token counts, seconds); the functions at the end of the
-module are the thin edge that reads them off SGLang's objects and applies a round's orders to the
-scheduler (:func:`plan_round`, :func:`round_inputs`, :func:`run_timed`, :func:`step_done`).
+* Prometheus metrics (``sglang_kda_budget_*``, ``sglang_kda_cost_model_*``): the ``budget``
+  group of :mod:`sglang_kda.metrics`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from sglang_kda.cache.probe import cached_prefix, planned_done
-from sglang_kda.config import budget_config  # noqa: F401  (the wiring's name for it)
+from sglang_kda import cost_store, metrics
+from sglang_kda.config import budget_config
 from sglang_kda.policy.budget import BudgetConfig
-from sglang_kda import cost_store
 from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit
 from sglang_kda.policy.finish import StreamGaps
 from sglang_kda.policy.plan import Decision, RoundPlanner
-from sglang_kda.steps import batch_shape, prefill_slices
-from sglang_kda.wiring.adder import ROUND_SHARE
+from sglang_kda.wiring.step_clock import StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -57,77 +45,6 @@ FIRST_SAVE = 32  # the fitted cost model is saved after this many steps ...
 SAVE_EVERY = 200  # ... and every this many
 DRIFT_LOG_EVERY = 100  # steps between two drift warnings
 DEADLINE_FIELD = "sampling_params.custom_params.ttft_deadline_ms"
-
-# -- metrics -------------------------------------------------------------------------------------
-_PROM: dict | None = None
-
-
-def _prom() -> dict:
-    """This process's metrics, registered on first use (empty without SGLang's metrics)."""
-    global _PROM
-    if _PROM is None:
-        _PROM = {}
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import Counter, Gauge, Histogram
-
-            p = "sglang_kda_budget_"
-            _PROM["rounds"] = Counter(p + "rounds", "Rounds planned, by mode", ["mode"])
-            _PROM["met"] = Counter(p + "deadlines_met", "Prefills finished by their deadline")
-            _PROM["missed"] = Counter(p + "deadlines_missed", "Prefills finished late")
-            _PROM["infeasible"] = Counter(
-                p + "infeasible", "Prefills that could not meet their deadline even alone"
-            )
-            _PROM["rejected"] = Counter(p + "rejected", "Infeasible prefills refused (400)")
-            _PROM["slack"] = Histogram(
-                p + "slack_at_completion_seconds",
-                "Deadline minus finish time of each prefill (negative: late)",
-                buckets=(-60, -10, -1, -0.1, 0, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
-            )
-            _PROM["err"] = Gauge(
-                "sglang_kda_cost_model_error",
-                "Relative prediction error of the cost model on real steps (EMA)",
-                multiprocess_mode="livemax",
-            )
-            _PROM["steps"] = Counter("sglang_kda_cost_model_steps", "Steps fed to the cost model")
-            _PROM["drift"] = Counter(
-                "sglang_kda_cost_model_drift", "Steps observed while the prediction error drifts"
-            )
-    return _PROM
-
-
-def _inc(name: str, value: float = 1, **labels: str) -> None:
-    m = _prom().get(name)
-    if m is not None:
-        (m.labels(**labels) if labels else m).inc(value)
-
-
-# -- plain facts about a model and a request -----------------------------------------------------
-def layer_counts(linear_attn_config: Any) -> tuple[int, int]:
-    """(KDA layers, full-attention layers) from a Kimi-Linear ``linear_attn_config`` (a dict or
-    an object; ``None``: a model without KDA layers)."""
-    lac = linear_attn_config or {}
-    if not isinstance(lac, dict):
-        lac = dict(getattr(lac, "__dict__", {}))
-    return len(lac.get("kda_layers") or ()), len(lac.get("full_attn_layers") or ())
-
-
-def deadline_override_s(custom_params: Any) -> Optional[float]:
-    """The request's own deadline (``custom_params.ttft_deadline_ms``) in seconds, if given
-    (validated by the tokenizer manager's request gate before it gets here)."""
-    if isinstance(custom_params, dict) and custom_params.get("ttft_deadline_ms") is not None:
-        return float(custom_params["ttft_deadline_ms"]) / 1e3
-    return None
-
-
-def arrival_time(created: float, now: float, perf_now: float) -> float:
-    """When the request reached the server, on the clock of ``now`` (``time.monotonic``).
-
-    The tokenizer manager stamps ``created`` (``time.perf_counter``, system-wide monotonic on
-    Linux) when it takes the request, before tokenizing it and handing it over; the deadline
-    counts from there, as the client's TTFT does. ``now`` where the stamp is missing (0) or
-    implausible (in the future, or more than ten minutes old)."""
-    waited = perf_now - created
-    return now - waited if created > 0 and 0 <= waited < 600 else now
 
 
 def why_off(
@@ -158,71 +75,6 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     return CostModel(kda_layers=kda_layers, mla_layers=mla)
 
 
-# -- step timing ---------------------------------------------------------------------------------
-MAX_PENDING = 8  # steps launched and not yet finished that the clock remembers (overlap: 2)
-GAP_MAX_S = 0.1  # a longer wait between a result and the next launch is idling, not overhead
-GAP_EMA = 0.1  # weight of the newest gap in the clock's average
-
-
-@dataclass
-class StepClock:
-    """Times each step from its launch to its result, keyed by the step (any object: the
-    scheduler passes the result object ``run_batch`` returns, which ``process_batch_result`` gets
-    back; the overlap scheduler hands that a copy of the batch, so the batch is no key).
-
-    A step starts on the device when it is launched and the step before it is done: under the
-    overlap scheduler batch N+1 is launched while batch N still runs, so its time counts from
-    N's result (``max(launch, previous result)``); without overlap that is its launch. What the
-    caller stamps at launch (``info``: the batch's shape and prefills) comes back with the time.
-
-    ``gap_s``: the average time from a step's result to the next launch (the scheduler's own
-    work each round: building the batch, planning; under the overlap scheduler 0, hidden behind
-    the device), over gaps up to ``GAP_MAX_S``; ``None`` until one was seen. A decode token
-    waits for it as well as for the step, so the round budget leaves it out.
-    """
-
-    pending: dict = field(default_factory=dict)  # id(key) -> (key, launch time, info)
-    last_done: float = -math.inf
-    gap_s: Optional[float] = None
-
-    def launched(self, key: Any, start: float, info: Any, ran: Optional[float] = None) -> None:
-        """``ran``: seconds the launch itself took when it ran the whole step before returning
-        (the CPU engine: no device runs behind the scheduler); the step's time is then that,
-        not the time to its result, which under the overlap scheduler comes only after the next
-        step ran too (it measured the next step's time for this step's shape)."""
-        if key is None:
-            return
-        # launched while an earlier step still runs (overlap): the scheduler's work is hidden
-        gap = 0.0 if self.pending else start - self.last_done
-        if gap <= GAP_MAX_S:
-            gap = max(0.0, gap)
-            self.gap_s = gap if self.gap_s is None else (1 - GAP_EMA) * self.gap_s + GAP_EMA * gap
-        self.pending[id(key)] = (key, start, info, ran)
-        while len(self.pending) > MAX_PENDING:  # a step whose result never came (aborted run)
-            self.pending.pop(next(iter(self.pending)))
-
-    def launched_prefills(self) -> set:
-        """The rids of the prefills in steps launched whose results are not in yet (the
-        ``info`` :meth:`BudgetRuntime.launched` stamps: (shape, ((rid, done), ...)))."""
-        out = set()
-        for _key, _start, info, _ran in self.pending.values():
-            prefills = info[1] if isinstance(info, tuple) and len(info) == 2 else ()
-            out.update(rid for rid, _done in prefills)
-        return out
-
-    def finished(self, key: Any, end: float) -> Optional[tuple[Any, float]]:
-        """(the launch's ``info``, seconds the step took), or ``None`` for a step never launched
-        here."""
-        item = self.pending.pop(id(key), None)
-        if item is None or item[0] is not key:
-            return None
-        _, start, info, ran = item
-        seconds = ran if ran is not None else end - max(start, self.last_done)
-        self.last_done = end
-        return info, seconds
-
-
-# -- the runtime ---------------------------------------------------------------------------------
 Share = Callable[[Any], Any]  # the leader's value in (others pass None); the leader's value out
 
 
@@ -281,8 +133,9 @@ class BudgetRuntime:
         done: int = 0,
     ) -> Optional[str]:
         """Book a new prefill of ``total`` prompt tokens, ``done`` of them cached (the planner's
-        queue: :func:`round_queue`); flag it when it cannot meet its deadline even alone. Returns
-        the abort message when it is refused (``reject``), else ``None``.
+        queue: :func:`sglang_kda.wiring.round_queue.round_queue`); flag it when it cannot meet
+        its deadline even alone. Returns the abort message when it is refused (``reject``), else
+        ``None``.
 
         Booked with its cached prefix, a cache hit's time alone (the pace the progress floor
         holds it to, :func:`sglang_kda.policy.slices.progress_floor`) is that of what it has
@@ -293,7 +146,7 @@ class BudgetRuntime:
         p, infeasible = self.book.admit(self.model, rid, now, total, done, override_s, arrival)
         if not infeasible:
             return None
-        _inc("infeasible")
+        metrics.inc("budget_infeasible")
         alone = self.model.alone_time(done, total, self.cfg.max_slice)
         msg = (
             f"ttft deadline {(p.deadline - now) * 1e3:.0f} ms cannot be met: the {total}-token "
@@ -302,7 +155,7 @@ class BudgetRuntime:
         logger.warning("infeasible prefill %s: %s", rid, msg)
         if not self.reject:
             return None
-        _inc("rejected")
+        metrics.inc("budget_rejected")
         self.book.drop(rid)
         return msg
 
@@ -373,7 +226,7 @@ class BudgetRuntime:
         self.last_round["tolerated_s"] = self.planner.tolerated  # the round log's replay input
         self.last_round["decision"] = None if dec is None else dec.as_dict()
         if dec is not None:
-            _inc("rounds", mode=dec.plan.mode)
+            metrics.inc("budget_rounds", mode=dec.plan.mode)
         return dec
 
     def launched(
@@ -385,8 +238,8 @@ class BudgetRuntime:
         ran: Optional[float] = None,
     ) -> None:
         """A step was launched at ``start`` (``time.perf_counter``): its shape and its prefills
-        as :func:`prefills_in` reads them, kept for :meth:`finished`. Only the planning rank
-        times steps."""
+        as :func:`sglang_kda.wiring.scheduler_budget.prefills_in` reads them, kept for
+        :meth:`finished`. Only the planning rank times steps."""
         if self.leader:
             self.clock.launched(key, start, (shape, tuple(prefills)), ran)
 
@@ -426,12 +279,11 @@ class BudgetRuntime:
         """Feed one timed step to the online fit; log drift; save the model now and then."""
         f = self.fit
         f.observe(shape, seconds)
-        _inc("steps")
-        m = _prom().get("err")
-        if m is not None and f.error_ema is not None:
-            m.set(f.error_ema)
+        metrics.inc("cost_model_steps")
+        if f.error_ema is not None:
+            metrics.set_gauge("cost_model_error", f.error_ema)
         if f.drifting:
-            _inc("drift")
+            metrics.inc("cost_model_drift")
             if f.n_observed - self.last_drift_log >= DRIFT_LOG_EVERY:
                 self.last_drift_log = f.n_observed
                 logger.warning(
@@ -454,10 +306,8 @@ class BudgetRuntime:
         if res is None:
             return
         met, left = res
-        _inc("met" if met else "missed")
-        h = _prom().get("slack")
-        if h is not None:
-            h.observe(left)
+        metrics.inc("budget_deadlines_met" if met else "budget_deadlines_missed")
+        metrics.observe("budget_slack_at_completion_seconds", left)
 
     def report(self) -> dict:
         """What ``/server_info`` shows under ``sglang_kda.budget``."""
@@ -525,213 +375,3 @@ def open_runtime(
         leader=leader,
         share=share,
     )
-
-
-# -- the edge: plain values off SGLang's objects ------------------------------------------------
-def runtime_of(sched: Any) -> Optional[BudgetRuntime]:
-    """The scheduler's budget runtime, built on first use (``sched._kda_budget``, which
-    :mod:`sglang_kda.report` reads); ``None`` where the budget does not apply. Building it turns
-    SGLang's mixed chunks on: from then on each round's plan decides whether decode mixes in."""
-    st = getattr(sched, "_kda_budget", False)
-    if st is not False:
-        return st
-    from sglang_kda.config import KDAConfig
-
-    st = None
-    try:
-        mc = sched.model_config
-        lac = getattr(getattr(mc, "hf_config", None), "linear_attn_config", None)
-        kda, mla = layer_counts(lac)
-        leader, share = tp_share(sched)
-        st = open_runtime(
-            KDAConfig.from_env(),
-            kda_layers=kda,
-            mla_layers=mla,
-            chunked_prefill_size=sched.chunked_prefill_size,
-            page_size=sched.page_size,
-            model_path=getattr(mc, "model_path", "model"),
-            device=str(getattr(sched, "device", "cpu")),
-            dtype=str(getattr(mc, "dtype", "")).replace("torch.", ""),
-            pp_size=getattr(getattr(sched, "pp_group", None), "world_size", 1),
-            leader=leader,
-            share=share,
-        )
-        if st is not None:
-            sched.is_mixed_chunk = True  # per round, the plan decides
-    finally:
-        sched._kda_budget = st
-    return st
-
-
-def tp_share(sched: Any) -> tuple[bool, Optional[Share]]:
-    """(this rank leads, how orders reach the TP group): TP rank 0 leads and broadcasts over the
-    scheduler's TP CPU (gloo) group with SGLang's ``broadcast_pyobj``, the primitive its request
-    receiver uses to give every TP rank the same requests each loop."""
-    group = getattr(sched, "tp_group", None)
-    if getattr(sched, "tp_size", 1) <= 1 or group is None or group.world_size <= 1:
-        return True, None
-    from sglang.srt.utils import broadcast_pyobj
-
-    src = group.ranks[0]
-    leader = group.rank == src
-
-    def share(orders: Any) -> Any:
-        out = broadcast_pyobj([orders] if leader else [], group.rank, group.cpu_group, src=src)
-        return out[0]
-
-    return leader, share
-
-
-def newcomers(waiting_queue: Iterable[Any], now: float) -> list[tuple]:
-    """The waiting requests not booked yet, as :meth:`BudgetRuntime.plan` takes them (rid, prompt
-    tokens, own deadline in seconds or ``None``, arrival); marks them booked, so a request
-    queued again (retracted) keeps its first deadline."""
-    out = []
-    perf_now = time.perf_counter()
-    for req in waiting_queue:
-        if getattr(req, "_kda_booked", False):
-            continue
-        req._kda_booked = True
-        created = getattr(getattr(req, "time_stats", None), "created_time", 0.0) or 0.0
-        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        arrival = arrival_time(created, now, perf_now)
-        out.append((req.rid, len(req.origin_input_ids), deadline_override_s(custom), arrival))
-    return out
-
-
-def refuse(waiting_queue: Iterable[Any], refused: dict) -> None:
-    """Mark the refused requests aborted (a 400 naming the deadline), on every rank alike. SGLang
-    still runs such a request through one prefill round, then finishes it with the message."""
-    if refused:
-        for req in waiting_queue:
-            msg = refused.get(req.rid)
-            if msg:
-                req.set_finish_with_abort(msg)
-
-
-def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
-    """The planner's view of the queue: (rid, prompt tokens done) of every waiting request,
-    then the in-flight chunked one (its progress is booked after each step, so 0 here); and the
-    in-flight rid.
-
-    A waiting request's tokens done are its ``prefix_len`` where SGLang set it (a request its
-    admission pass reached in an earlier round); otherwise what the KDA checkpoint cache would
-    grant it now (:func:`sglang_kda.cache.probe.cached_prefix`, a read-only look: SGLang's own
-    match runs only in the admission pass, after the plan), for the first
-    :data:`~sglang_kda.cache.probe.PROBE_LIMIT` such requests (:func:`~sglang_kda.cache.probe.
-    planned_done`). Without it a prompt with most of its tokens cached is planned as a cold one
-    (issue 30)."""
-    chunked = sched.chunked_req
-    waiting = list(sched.waiting_queue)
-    tree = getattr(sched, "tree_cache", None)
-    done = planned_done(
-        [getattr(r, "prefix_len", 0) or 0 for r in waiting],
-        lambda i: cached_prefix(tree, waiting[i]),
-    )
-    queue = [(r.rid, d) for r, d in zip(waiting, done)]
-    if chunked is not None:
-        queue.append((chunked.rid, 0))
-    return queue, (chunked.rid if chunked is not None else None)
-
-
-def prefills_in(batch: Any) -> list[tuple[str, Optional[int]]]:
-    """The prefills of a batch about to run: (rid, prompt tokens done after it) of the chunked
-    request, (rid, ``None``) of each one whose prefill it completes; decode requests of a mixed
-    batch left out; none for a decode batch. Read at launch: the overlap scheduler hands
-    ``process_batch_result`` a copy of the batch without ``chunked_req``."""
-    return [
-        (req.rid, prefix + extend if req is batch.chunked_req else None)
-        for req, prefix, extend in prefill_slices(batch)
-    ]
-
-
-def plan_round(sched: Any, running_batch: Any) -> Optional[Decision]:
-    """This round's decision, the same on every TP rank (``None``: upstream's round, also where
-    the budget does not apply): the leader books the requests new in the queue, the round is
-    planned (:meth:`BudgetRuntime.plan`, shared over the TP group) and the refused requests are
-    marked aborted (:func:`refuse`)."""
-    st = runtime_of(sched)
-    if st is None:
-        return None
-    queue, inflight = round_queue(sched)
-    decode_ctx = [r.seqlen for r in running_batch.reqs]  # as sglang_kda.steps counts it
-    now = time.monotonic()
-    fresh = newcomers(sched.waiting_queue, now) if st.leader else ()
-    worst = st.gaps.worst([r.rid for r in running_batch.reqs]) if st.leader else ()
-    orders = st.plan(now, decode_ctx, queue, inflight, fresh, worst)  # every TP rank
-    refuse(sched.waiting_queue, orders.refused)
-    return orders.decision
-
-
-def head_first(policy: Any, head: Any) -> None:
-    """Make this round's ``calc_priority`` put ``head`` first (undone by deleting the attribute)."""
-    orig_calc = policy.calc_priority
-
-    def calc_priority(queue, *args, **kwargs):
-        orig_calc(queue, *args, **kwargs)
-        if head in queue:  # the plan's head goes first (EDF among those at risk)
-            queue.remove(head)
-            queue.insert(0, head)
-
-    policy.calc_priority = calc_priority
-
-
-@contextlib.contextmanager
-def round_inputs(sched: Any, dec: Decision, running_batch: Any):
-    """Set, for one call of upstream's prefill-batch builder, the inputs it reads each round,
-    all put back after: ``chunked_prefill_size`` (the chunk budget; the mixed decode tokens
-    upstream takes out of it are given back), ``is_mixed_chunk`` (decode rides along), the
-    in-flight request's share (:data:`sglang_kda.wiring.adder.ROUND_SHARE`, read by
-    :func:`sglang_kda.wiring.adder.in_flight_limit`) and the plan's head first after its
-    ``calc_priority`` (:func:`head_first`)."""
-    head = next((r for r in sched.waiting_queue if r.rid == dec.head), None)
-    saved = sched.chunked_prefill_size, sched.is_mixed_chunk
-    policy = sched.policy
-    had_calc = "calc_priority" in policy.__dict__
-    if head is not None:
-        head_first(policy, head)
-    mixed = len(running_batch.reqs) if dec.mix_decode else 0
-    sched.chunked_prefill_size = dec.chunk_budget + mixed
-    sched.is_mixed_chunk = dec.mix_decode
-    token = ROUND_SHARE.set((dec.keep, dec.cap))
-    try:
-        yield
-    finally:
-        sched.chunked_prefill_size, sched.is_mixed_chunk = saved
-        ROUND_SHARE.reset(token)
-        if head is not None and not had_calc:
-            del policy.calc_priority
-
-
-def run_timed(sched: Any, batch: Any, run: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``run(sched, batch, ...)`` (upstream's ``run_batch``), its launch stamped on the planning
-    rank with the batch's shape and prefills, keyed by the result it returns
-    (:meth:`BudgetRuntime.launched`; overlap runs ahead, so the batch is no key)."""
-    st = getattr(sched, "_kda_budget", None)
-    if not (st and st.leader):
-        return run(sched, batch, *args, **kwargs)
-    shape, prefills = batch_shape(batch), prefills_in(batch)
-    start = time.perf_counter()
-    result = run(sched, batch, *args, **kwargs)
-    ran = time.perf_counter() - start if synchronous_forward() else None
-    st.launched(result, start, shape, prefills, ran)
-    return result
-
-
-def synchronous_forward() -> bool:
-    """Whether ``run_batch`` returns only once its forward has run: the CPU engine (no device
-    runs behind the scheduler; the launcher sets ``SGLANG_USE_CPU_ENGINE=1``)."""
-    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
-
-
-def step_done(sched: Any, result: Any, batch: Any = None) -> None:
-    """The step that returned ``result`` is processed: time it and book its prefills
-    (:meth:`BudgetRuntime.finished`), and see its requests' output tokens (the decode streams'
-    worst gaps, :class:`~sglang_kda.policy.finish.StreamGaps`)."""
-    st = getattr(sched, "_kda_budget", None)
-    if st:
-        now = time.monotonic()
-        st.finished(result, time.perf_counter(), now)
-        if st.leader and batch is not None:
-            for req in getattr(batch, "reqs", None) or ():
-                st.gaps.saw(req.rid, len(req.output_ids or ()), now, req.finished())

@@ -30,6 +30,7 @@ import os
 import time
 from typing import Any, Optional
 
+from sglang_kda import context
 from sglang_kda.steps import prefill_slices
 
 MARK = "_kda_round_logged"
@@ -51,7 +52,7 @@ class RoundLog:
     def begin(self, sched: Any) -> dict:
         """A pass of the loop begins (the last pass's step is done): write the last pass's entry
         and note the requests new in the queue."""
-        st = getattr(sched, "_kda_budget", None)
+        st = context.of(sched).budget
         if self.pending is not None:
             measured = st.last_step_s if st else None
             if measured is None:
@@ -81,7 +82,7 @@ class RoundLog:
 
     def end(self, sched: Any, entry: dict, batch: Any) -> None:
         """The pass chose ``batch`` (``None``: nothing to run)."""
-        st = getattr(sched, "_kda_budget", None)
+        st = context.of(sched).budget
         plan = st.last_round if st else None
         entry["plan"] = plan
         entry["slices"], entry["decode"] = batch_rounds(batch)
@@ -110,16 +111,17 @@ def batch_rounds(batch: Any) -> tuple[list, list]:
 
 
 def open_log(sched: Any, kcfg: Any) -> Optional[RoundLog]:
-    """The scheduler's round log (``sched._kda_round_log``), opened on first use; ``None`` where
-    it is off or this is not TP rank 0."""
-    log = sched.__dict__.get("_kda_round_log", False)
-    if log is not False:
-        return log
+    """The scheduler's round log (the ``round_log`` of its
+    :class:`~sglang_kda.context.SchedulerContext`), opened on first use; ``None`` where it is off
+    or this is not TP rank 0."""
+    ctx = context.of(sched)
+    if ctx.round_log_opened:
+        return ctx.round_log
     log = None
     if kcfg.round_log and getattr(sched, "tp_rank", 0) == 0:
         from dataclasses import asdict
 
-        from sglang_kda.wiring.budget import layer_counts
+        from sglang_kda.wiring.scheduler_budget import layer_counts
 
         path = kcfg.round_log
         dp = getattr(sched, "dp_rank", None)
@@ -134,11 +136,10 @@ def open_log(sched: Any, kcfg: Any) -> Optional[RoundLog]:
             "chunked_prefill_size": sched.chunked_prefill_size,
             "max_prefill_tokens": sched.max_prefill_tokens,
             "max_running_requests": sched.max_running_requests,
-            "enable_mixed_chunk": bool(sched.is_mixed_chunk)
-            and getattr(sched, "_kda_budget", None) is None,
+            "enable_mixed_chunk": bool(sched.is_mixed_chunk) and ctx.budget is None,
             "kda_layers": kda,
             "mla_layers": mla,
         }
         log = RoundLog(path, header)
-    sched._kda_round_log = log
+    ctx.round_log, ctx.round_log_opened = log, True
     return log

@@ -480,7 +480,7 @@ def test_config_rejects_nonsense():
         BudgetConfig(itl_target_s=0.0)
 
 
-# -- the runtime's view of SGLang's model and requests (sglang_kda/wiring/budget.py) ---------
+# -- the runtime's view of SGLang's model and requests (sglang_kda/wiring/) -----------------
 
 
 class _Mode:
@@ -497,7 +497,7 @@ class _Mode:
 def test_layer_counts_from_the_model_config():
     from types import SimpleNamespace as NS
 
-    from sglang_kda.wiring.budget import layer_counts
+    from sglang_kda.wiring.scheduler_budget import layer_counts
 
     lac = {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}
     assert layer_counts(lac) == (3, 1)
@@ -632,7 +632,7 @@ def test_the_deadline_margin_follows_the_cost_models_observed_error():
 
 
 def test_the_deadline_counts_from_when_the_tokenizer_manager_took_the_request():
-    from sglang_kda.wiring.budget import arrival_time
+    from sglang_kda.wiring.round_queue import arrival_time
 
     now, perf_now = 1000.0, 50.0
     assert arrival_time(perf_now - 0.25, now, perf_now) == pytest.approx(now - 0.25)

@@ -1,5 +1,5 @@
 """The simulator's planner queue takes a waiting prompt's cached prefix from a read-only look at
-its tree (issue 30), as the server's :func:`sglang_kda.wiring.budget.round_queue` does."""
+its tree (issue 30), as the server's :func:`sglang_kda.wiring.round_queue.round_queue` does."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The serial budget's runtime in one scheduler process (:mod:`sglang_kda.wiring.budget`) and
-the prefill adder's round state (:mod:`sglang_kda.policy.adder`), without a server: plain
-values in, decisions and bookkeeping out."""
+"""The serial budget's runtime in one scheduler process (:mod:`sglang_kda.wiring.budget`, with
+its step clock, queue view and scheduler edge) and the prefill adder's round state
+(:mod:`sglang_kda.policy.adder`), without a server: plain values in, decisions and bookkeeping
+out."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from types import SimpleNamespace as NS
 import pytest
 
 from sglang_kda.cache.stats import STATS
-from sglang_kda.config import KDAConfig
+from sglang_kda.config import KDAConfig, budget_config
 from sglang_kda.wiring import budget as rt
+from sglang_kda.wiring import round_queue as rq
+from sglang_kda.wiring import scheduler_budget as sb
+from sglang_kda.wiring import step_clock as sc
 from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.wiring import adder as ad
 from sglang_kda.wiring.adder import leaders_of
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
-from sglang_kda import state as kda_state
+from sglang_kda import context
 from sglang_kda.state import RECENT_CUTS
 
 COEF = Coefficients(overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_prefill_round=1e-3)
@@ -58,9 +62,9 @@ def test_the_budget_stays_off_where_it_cannot_run(kda, chunk, pp, why):
 
 def test_slices_end_on_the_grid_and_take_at_most_the_chunk():
     kcfg = KDAConfig(itl_target_ms=50)
-    cfg = rt.budget_config(kcfg, page_size=1, chunked_prefill_size=1000)
+    cfg = budget_config(kcfg, page_size=1, chunked_prefill_size=1000)
     assert (cfg.grid, cfg.max_slice, cfg.itl_target_s) == (64, 960, 0.05)
-    assert rt.budget_config(kcfg, 128, 100).max_slice == 128  # at least one grid step
+    assert budget_config(kcfg, 128, 100).max_slice == 128  # at least one grid step
 
 
 def test_a_request_that_cannot_meet_its_deadline_is_refused_naming_the_field(tmp_path):
@@ -154,15 +158,15 @@ def test_newcomers_are_booked_once_with_their_own_deadline_and_arrival():
         time_stats=NS(created_time=0.0),
     )
     plain = NS(rid="p", origin_input_ids=[1] * 5, sampling_params=NS(custom_params=None))
-    assert rt.newcomers([req, plain], now=42.0) == [("r", 300, 2.5, 42.0), ("p", 5, None, 42.0)]
-    assert rt.newcomers([req, plain], now=50.0) == []  # queued again (retracted): not new
-    assert rt.deadline_override_s(None) is None and rt.deadline_override_s({}) is None
+    assert rq.newcomers([req, plain], now=42.0) == [("r", 300, 2.5, 42.0), ("p", 5, None, 42.0)]
+    assert rq.newcomers([req, plain], now=50.0) == []  # queued again (retracted): not new
+    assert rq.deadline_override_s(None) is None and rq.deadline_override_s({}) is None
 
 
 def test_the_prefills_of_a_batch_about_to_run():
     chunked, done, decoding = NS(rid="c"), NS(rid="d"), NS(rid="x")
     mixed = NS(is_extend=lambda: True)
-    assert rt.prefills_in(NS(forward_mode=NS(is_extend=lambda: False))) == []
+    assert sb.prefills_in(NS(forward_mode=NS(is_extend=lambda: False))) == []
     batch = NS(
         forward_mode=mixed,
         reqs=[done, chunked, decoding],
@@ -171,21 +175,21 @@ def test_the_prefills_of_a_batch_about_to_run():
         prefix_lens=[0, 128],
         extend_lens=[50, 64],
     )
-    assert rt.prefills_in(batch) == [("d", None), ("c", 192)]
+    assert sb.prefills_in(batch) == [("d", None), ("c", 192)]
 
 
 def test_the_planners_queue_lists_the_in_flight_request_last():
     sched = NS(waiting_queue=[NS(rid="w1", prefix_len=64), NS(rid="w2")], chunked_req=NS(rid="c"))
-    assert rt.round_queue(sched) == ([("w1", 64), ("w2", 0), ("c", 0)], "c")
+    assert rq.round_queue(sched) == ([("w1", 64), ("w2", 0), ("c", 0)], "c")
     sched.chunked_req = None
-    assert rt.round_queue(sched)[1] is None
+    assert rq.round_queue(sched)[1] is None
 
 
 # -- step timing under the overlap scheduler ------------------------------------------------------
 def test_step_times_stay_with_their_batch_when_the_scheduler_runs_ahead():
     """Overlap order: run N, run N+1, process N, process N+1. Each result gets its own batch's
     shape back; N+1's time counts from N's result (it could not start on the device before)."""
-    clock = rt.StepClock()
+    clock = sc.StepClock()
     res_n, res_n1 = object(), object()  # the result objects run_batch returned
     clock.launched(res_n, 10.0, "shape N")
     clock.launched(res_n1, 10.2, "shape N+1")
@@ -202,7 +206,7 @@ def test_step_times_stay_with_their_batch_when_the_scheduler_runs_ahead():
 def test_the_clock_averages_the_schedulers_time_between_a_result_and_the_next_launch():
     """Gaps up to GAP_MAX_S are the scheduler's own work per round; a longer one is idling (no
     request), and a launch ahead of the previous result (overlap) hides it: 0."""
-    clock = rt.StepClock()
+    clock = sc.StepClock()
     assert clock.gap_s is None
     a, b, c, d = object(), object(), object(), object()
     clock.launched(a, 10.0, None)
@@ -218,11 +222,11 @@ def test_the_clock_averages_the_schedulers_time_between_a_result_and_the_next_la
 
 
 def test_the_clock_forgets_steps_whose_result_never_came():
-    clock = rt.StepClock()
-    keys = [object() for _ in range(rt.MAX_PENDING + 3)]
+    clock = sc.StepClock()
+    keys = [object() for _ in range(sc.MAX_PENDING + 3)]
     for i, k in enumerate(keys):
         clock.launched(k, float(i), i)
-    assert len(clock.pending) == rt.MAX_PENDING
+    assert len(clock.pending) == sc.MAX_PENDING
     assert clock.finished(keys[0], 99.0) is None
     assert clock.finished(keys[-1], 99.0)[0] == len(keys) - 1
 
@@ -399,7 +403,7 @@ def _overlap_passes(book_owner, leader, follower_ids, processed_late: bool):
     ad.begin_pass(st1, book_owner)
     ad.book_slice(st1, book_owner, leader)
     if not processed_late:
-        kda_state.slices_processed(book_owner, [leader])
+        context.of(book_owner).pass_book.processed([leader])
     st2 = AdderRound(64)
     ad.begin_pass(st2, book_owner)
     return st2, st2.twin_waits(follower_ids, 0, len(follower_ids) - 1, st2.pending)
@@ -419,7 +423,7 @@ def test_under_overlap_a_twin_waits_for_the_previous_rounds_unprocessed_slice():
 
 def test_pending_slices_last_one_round_and_leave_in_launch_order():
     owner, req = NS(), NS(full_untruncated_fill_ids=list(range(300)), prefix_len=0, extend_end=64)
-    book = kda_state.pass_book(owner)
+    book = context.of(owner).pass_book
     book.begin()
     book.admitted(req, ad.leader_of(req))  # pass 1: [0, 64)
     assert len(book.begin()) == 1  # pass 2 sees it
@@ -437,7 +441,7 @@ def test_a_step_that_ran_inside_its_launch_is_timed_by_its_launch():
     step N's result is processed only after step N+1 ran, so timing N to its result measured
     N+1's forward for N's shape (a 64-token round behind a 4,096-token one was fitted at the
     long round's 1.5 s). Such a step is timed by its launch."""
-    clock = rt.StepClock()
+    clock = sc.StepClock()
     res_n, res_n1 = object(), object()
     clock.launched(res_n, 10.0, "4096 tokens", ran=1.5)
     clock.launched(res_n1, 11.5, "64 tokens", ran=0.1)

@@ -1,5 +1,5 @@
 """The serial budget's queue gives the planner each waiting prompt's cached prefix before the
-admission pass sets it (issue 30): :func:`sglang_kda.wiring.budget.round_queue` keeps SGLang's
+admission pass sets it (issue 30): :func:`sglang_kda.wiring.round_queue.round_queue` keeps SGLang's
 ``prefix_len`` where it is set and asks the read-only probe for the others."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from types import SimpleNamespace as NS
 
 from sglang_kda.cache import probe as probe_mod
 from sglang_kda.wiring import budget as rt
+from sglang_kda.wiring import round_queue as rq
 
 
 def test_round_queue_probes_only_the_requests_sglang_has_not_matched(monkeypatch):
@@ -17,10 +18,10 @@ def test_round_queue_probes_only_the_requests_sglang_has_not_matched(monkeypatch
         asked.append(req.rid)
         return {"fresh": 1024, "cold": 0}.get(req.rid, 7)
 
-    monkeypatch.setattr(rt, "cached_prefix", fake)
+    monkeypatch.setattr(rq, "cached_prefix", fake)
     waiting = [NS(rid="matched", prefix_len=640), NS(rid="fresh", prefix_len=0), NS(rid="cold")]
     sched = NS(waiting_queue=waiting, chunked_req=NS(rid="c"), tree_cache=object())
-    queue, inflight = rt.round_queue(sched)
+    queue, inflight = rq.round_queue(sched)
     assert queue == [("matched", 640), ("fresh", 1024), ("cold", 0), ("c", 0)]
     assert inflight == "c"
     assert asked == ["fresh", "cold"]  # the in-flight request's progress is booked, not probed
@@ -41,7 +42,7 @@ def test_planned_done_probes_the_first_unmatched_requests_only():
 
 def test_round_queue_without_a_tree_plans_cold_prompts():
     sched = NS(waiting_queue=[NS(rid="w", prefix_len=0)], chunked_req=None, tree_cache=None)
-    assert rt.round_queue(sched) == ([("w", 0)], None)
+    assert rq.round_queue(sched) == ([("w", 0)], None)
 
 
 def test_a_newcomer_is_booked_with_the_prefix_its_queue_entry_gives():
