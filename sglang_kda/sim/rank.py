@@ -297,7 +297,7 @@ class Rank:
             decode_ctx, cfg.chunked_prefill_size, mix=cfg.enable_mixed_chunk and not cfg.kda
         )
         if self.planner is not None:
-            # the server's view of the queue (wiring.budget.round_queue): waiting requests in
+            # the server's view of the queue (wiring.round_queue.round_queue): waiting requests in
             # queue order, each with the prefix its last admission match set or else what the
             # cache would grant now (the same rule, probe_mod.planned_done; the look changes
             # nothing in the tree), then the in-flight one
