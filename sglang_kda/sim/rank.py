@@ -176,6 +176,7 @@ class Rank:
         self.n_rounds = 0
         self.planner = plan_mod.RoundPlanner(cfg.budget) if cfg.kda and cfg.budget else None
         self.last_decision = None
+        self.last_inputs: Optional[dict] = None  # the planner's inputs in the last plan
         self.infeasible: list[str] = []
         # what the admission passes counted (sglang_kda.policy.adder.AdderRound.counts: the
         # server's /server_info counters of the same names)
@@ -309,6 +310,16 @@ class Rank:
             inputs = dict(self.plan_inputs)
             if prev is not None:
                 inputs["launched"] = [r.rid for r, _, _ in prev.slices]
+            pl = self.planner
+            self.last_inputs = {  # the round log's ``inputs``, for the replay's diagnosis
+                "decode_ctx": list(decode_ctx),
+                "queue": [list(q) for q in queue],
+                "inflight": self.chunked.rid if self.chunked else None,
+                "launched": list(inputs.get("launched", [])),
+                "since_slice": pl.since_slice,
+                "slice_overshoot": pl.slice_overshoot,
+                "since_decode": pl.since_decode,
+            }
             dec = self.planner.decide(
                 self.cost,
                 self.now,

@@ -32,9 +32,19 @@ from sglang_kda.policy.cost_model import Coefficients, CostModel
 from sglang_kda.sim.config import SimConfig
 from sglang_kda.sim.rank import Rank, SimReq
 
-# The log's header does not say which scheduler ran: the replay models the one without overlap
-# (``no_buffer``, under which the launcher disables it, and its finished requests' states).
-SIM_ONLY = {"finished_state": "prompt", "integrity": True, "overlap": False}
+# What the simulator needs that the flags do not say. A log's header names the loop that ran
+# (``overlap``) and the state strategy (``mamba_strategy``); logs written before it did came from
+# ``no_buffer`` servers without the overlap scheduler, which these defaults model.
+SIM_ONLY = {"integrity": True}
+
+
+def _server_shape(header: dict) -> dict:
+    """The header's loop and strategy as :class:`SimConfig` fields."""
+    strategy = header.get("mamba_strategy") or "no_buffer"
+    return {
+        "overlap": bool(header.get("overlap", False)),
+        "finished_state": "prompt" if strategy == "no_buffer" else "tracked",
+    }
 
 
 @dataclass
@@ -46,10 +56,25 @@ class Mismatch:
     server: object
     sim: object
 
+    inputs: Optional[dict] = None  # planner inputs that differ: name -> (server, sim)
+
     def __str__(self) -> str:
-        return (
-            f"pass {self.index}: {self.what} differ\n  server: {self.server}\n  sim:    {self.sim}"
-        )
+        text = f"pass {self.index}: {self.what} differ\n  server: {self.server}\n  sim:    {self.sim}"
+        for name, (server, sim) in (self.inputs or {}).items():
+            text += f"\n  input {name}: server {server}, sim {sim}"
+        return text
+
+
+def _differing_inputs(plan: Optional[dict], sim: Optional[dict]) -> dict:
+    """The planner's inputs the server logged (``plan["inputs"]``; logs from before they were
+    written have none) against the simulator's, where they differ."""
+    logged = (plan or {}).get("inputs")
+    if not logged or not sim:
+        return {}
+    def same(key: str, a, b) -> bool:  # decode streams in any order: the model sums them
+        return sorted(a) == sorted(b) if key == "decode_ctx" and a and b else a == b
+
+    return {k: (v, sim.get(k)) for k, v in logged.items() if not same(k, v, sim.get(k))}
 
 
 @dataclass
@@ -86,6 +111,7 @@ def sim_config(header: dict) -> SimConfig:
         max_running_requests=header["max_running_requests"],
         enable_mixed_chunk=header["enable_mixed_chunk"],
         **SIM_ONLY,
+        **_server_shape(header),
     )
 
 
@@ -116,6 +142,7 @@ def replay(header: dict, passes: list[dict]) -> ReplayResult:
         want_dec = plan.get("decision") if plan else None
         if got_dec != want_dec:
             res.mismatch = Mismatch(i, "decision", want_dec, got_dec)
+            res.mismatch.inputs = _differing_inputs(plan, getattr(rank, "last_inputs", None))
             return res
         res.decisions += want_dec is not None
         ran = len(rank.rounds) > n_before

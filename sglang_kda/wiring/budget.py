@@ -211,7 +211,20 @@ class BudgetRuntime:
             "overhead": overhead,
             "slow": slow,
         }
-        dec = self.planner.decide(
+        queue = list(queue)
+        launched = list(self.clock.launched_prefills())
+        pl = self.planner
+        # what the planner saw and carried over (the replay names the first that differs)
+        self.last_round["inputs"] = {
+            "decode_ctx": list(map(int, decode_ctx)),
+            "queue": [[rid, int(done)] for rid, done in queue],
+            "inflight": inflight,
+            "launched": launched,
+            "since_slice": pl.since_slice,
+            "slice_overshoot": pl.slice_overshoot,
+            "since_decode": pl.since_decode,
+        }
+        dec = pl.decide(
             self.model,
             now,
             decode_ctx,
@@ -220,11 +233,19 @@ class BudgetRuntime:
             error=error,
             overhead=overhead,
             slow=slow,
-            launched=self.clock.launched_prefills(),
+            launched=launched,
             decode_worst=decode_worst,
         )
-        self.last_round["tolerated_s"] = self.planner.tolerated  # the round log's replay input
+        self.last_round["tolerated_s"] = pl.tolerated  # the round log's replay input
         self.last_round["decision"] = None if dec is None else dec.as_dict()
+        if pl.last_plan is not None:  # why the round was sized as it was, in model seconds
+            p = pl.last_plan
+            self.last_round["why"] = {
+                "budget_s": p.budget_s,
+                "predicted_s": p.predicted_s,
+                "slack_s": p.slack_s,
+                "tokens": p.tokens,
+            }
         if dec is not None:
             metrics.inc("budget_rounds", mode=dec.plan.mode)
         return dec

@@ -137,6 +137,11 @@ def open_log(sched: Any, kcfg: Any) -> Optional[RoundLog]:
             "max_prefill_tokens": sched.max_prefill_tokens,
             "max_running_requests": sched.max_running_requests,
             "enable_mixed_chunk": bool(sched.is_mixed_chunk) and ctx.budget is None,
+            # which loop ran (SGLang's overlap scheduler plans a round before the last one's
+            # result is processed) and the state strategy (extra_buffer leaves a finished
+            # request's tracked state in the tree): the replay models both
+            "overlap": bool(getattr(sched, "enable_overlap", False)),
+            "mamba_strategy": getattr(sched.server_args, "mamba_radix_cache_strategy", None),
             "kda_layers": kda,
             "mla_layers": mla,
         }

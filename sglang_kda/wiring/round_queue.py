@@ -62,8 +62,14 @@ def refuse(waiting_queue: Iterable[Any], refused: dict) -> None:
 
 def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
     """The planner's view of the queue: (rid, prompt tokens done) of every waiting request,
-    then the in-flight chunked one (its progress is booked after each step, so 0 here); and the
-    in-flight rid.
+    then the in-flight chunked one; and the in-flight rid.
+
+    The in-flight request's tokens done are those of every slice launched so far
+    (:func:`launched_done`). Under the overlap scheduler the last of them is still running while
+    this round is planned, and its result (which books the progress after each step) comes
+    later: counted from results alone, the planner saw a prompt one slice less advanced than it
+    is and sized its slices for work already launched (a round log replayed in the default
+    shape showed it: the server planned 256 tokens where 208 remained).
 
     A waiting request's tokens done are its ``prefix_len`` where SGLang set it (a request its
     admission pass reached in an earlier round); otherwise what the KDA checkpoint cache would
@@ -81,5 +87,15 @@ def round_queue(sched: Any) -> tuple[list[tuple[str, int]], Optional[str]]:
     )
     queue = [(r.rid, d) for r, d in zip(waiting, done, strict=False)]
     if chunked is not None:
-        queue.append((chunked.rid, 0))
+        queue.append((chunked.rid, launched_done(chunked)))
     return queue, (chunked.rid if chunked is not None else None)
+
+
+def launched_done(req: Any) -> int:
+    """Prompt tokens of the chunked ``req`` covered by its slices launched so far: its
+    ``extend_end`` stays where its last slice ended until the next admission pass moves it (the
+    planner runs before that pass), whether or not that slice's result has been processed."""
+    end = getattr(req, "extend_end", None)
+    if not end:
+        return 0
+    return min(int(end), len(req.origin_input_ids))

@@ -6,9 +6,10 @@ time (:mod:`sglang_kda.wiring.round_log`). :mod:`sglang_kda.sim.replay` feeds th
 the measured times to the simulator and compares its decisions with the server's, pass by pass,
 exactly. Under concurrency: decode streams, a long prompt prefilled in rounds with a short prompt
 arriving beside it, a burst of twins sharing an uncached prefix, a later request on that prefix,
-a repeat of a finished prompt and an off-grid divergence; with the default flags (serial budget)
-and with ``--kda-budget off``, under ``no_buffer`` without the overlap scheduler (what the
-simulator models; replaying the overlap scheduler's round logs is not done yet).
+a repeat of a finished prompt and an off-grid divergence; in the default shape (the overlap
+scheduler, ``extra_buffer``, the serial budget), and under ``no_buffer`` without the overlap
+scheduler with and without ``--kda-budget off``. The log's header names the loop and the state
+strategy; the replay models both.
 """
 
 from __future__ import annotations
@@ -61,15 +62,15 @@ def _workload() -> list[tuple[list, int, float]]:
     return jobs
 
 
-@pytest.fixture(scope="module", params=["default", "budget-off"])
+@pytest.fixture(scope="module", params=["gpu-shape", "no-buffer", "budget-off"])
 def logged(request, tmp_path_factory, tiny_model_dir):
-    """The round log of a server that served the workload."""
+    """The round log of a server that served the workload: in the default shape (the overlap
+    scheduler and ``extra_buffer``; the header says so and the replay models both), and under
+    ``no_buffer`` without overlap, with and without the budget."""
     log = tmp_path_factory.mktemp("round-log") / "rounds.jsonl"
-    # no_buffer without the overlap scheduler: the simulator models the scheduler that plans a
-    # round after the previous round's result is in (docs/simulator.md, "Not modelled"); under
-    # the overlap scheduler (the default) the server plans one round ahead of its results
     extra = ["--kda-round-log", str(log), "--chunked-prefill-size", str(CHUNK)]
-    extra += ["--mamba-radix-cache-strategy", "no_buffer"]
+    if request.param != "gpu-shape":
+        extra += ["--mamba-radix-cache-strategy", "no_buffer"]
     if request.param == "budget-off":
         extra += ["--kda-budget", "off"]
     # (the last --chunked-prefill-size wins over start_server's small test chunk)
@@ -106,7 +107,8 @@ def test_the_simulator_makes_the_servers_decisions_in_every_round(logged):
     rank = res.rank
     assert rank.counts["twin_waits"] > 0  # the twins waited, on both sides
     assert any(len(p["slices"]) > 1 for p in passes)  # prompts shared rounds
-    if name == "default":
+    assert header["overlap"] == (name == "gpu-shape")
+    if name != "budget-off":
         assert res.decisions >= res.prefill_rounds  # the budget planned every prefill round
     else:
         assert res.decisions == 0

@@ -185,6 +185,19 @@ def test_the_planners_queue_lists_the_in_flight_request_last():
     assert rq.round_queue(sched)[1] is None
 
 
+def test_the_in_flight_request_counts_every_slice_launched():
+    """Under the overlap scheduler the last slice's result is processed after the next round is
+    planned: the in-flight request's progress is where its last launched slice ended (SGLang's
+    ``extend_end``, moved only by the next admission pass), not what the processed results
+    booked. Replayed round logs of the default shape caught the stale view (tests/server/
+    test_round_log.py, ``gpu-shape``)."""
+    chunked = NS(rid="c", extend_end=768, origin_input_ids=[1] * 2000)
+    sched = NS(waiting_queue=[], chunked_req=chunked)
+    assert rq.round_queue(sched) == ([("c", 768)], "c")
+    chunked.extend_end = None  # retracted: nothing launched
+    assert rq.round_queue(sched) == ([("c", 0)], "c")
+
+
 # -- step timing under the overlap scheduler ------------------------------------------------------
 def test_step_times_stay_with_their_batch_when_the_scheduler_runs_ahead():
     """Overlap order: run N, run N+1, process N, process N+1. Each result gets its own batch's
