@@ -59,7 +59,8 @@ class Mismatch:
     inputs: Optional[dict] = None  # planner inputs that differ: name -> (server, sim)
 
     def __str__(self) -> str:
-        text = f"pass {self.index}: {self.what} differ\n  server: {self.server}\n  sim:    {self.sim}"
+        text = f"pass {self.index}: {self.what} differ"
+        text += f"\n  server: {self.server}\n  sim:    {self.sim}"
         for name, (server, sim) in (self.inputs or {}).items():
             text += f"\n  input {name}: server {server}, sim {sim}"
         return text
@@ -71,6 +72,7 @@ def _differing_inputs(plan: Optional[dict], sim: Optional[dict]) -> dict:
     logged = (plan or {}).get("inputs")
     if not logged or not sim:
         return {}
+
     def same(key: str, a, b) -> bool:  # decode streams in any order: the model sums them
         return sorted(a) == sorted(b) if key == "decode_ctx" and a and b else a == b
 
