@@ -1,7 +1,8 @@
 """The round log: every scheduler round of a server, written so the simulator can replay it.
 
 One JSON object per line. The first is the header (the ``--kda-*`` flags, the scheduler's page
-size, chunk size, input budget, request cap and the model's layer counts); each further line is
+size, chunk size, input budget, request cap, the model's layer counts, whether the overlap
+scheduler runs and the state strategy); each further line is
 one pass of the scheduler's loop that planned or ran something:
 
 * ``t``: the scheduler's clock (``time.monotonic``) when the pass began;
@@ -10,7 +11,10 @@ one pass of the scheduler's loop that planned or ran something:
 * ``plan``: the serial budget's inputs that are not the queue (its clock, cost-model
   coefficients, recent error, overhead and slowness, the decode streams' tolerated gap
   ``tolerated_s``) and its decision, whose ``mode`` says why the round was sized as it was
-  (:data:`sglang_kda.policy.budget.MODES`); ``null`` without the budget or when it planned
+  (:data:`sglang_kda.policy.budget.MODES`), with the planner's inputs from the queue
+  (``inputs``: decode contexts, tokens done per request, in-flight and launched prefills, its
+  carried pacing state) and ``why`` (the plan's budget, predicted time and slack, model
+  seconds); ``null`` without the budget or when it planned
   nothing;
 * ``slices``: the prefill slices of the batch, in batch order: (rid, prefix, extend);
 * ``decode``: the rids decoding in it (a decode batch, or the decode part of a mixed one);
