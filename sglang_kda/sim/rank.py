@@ -315,7 +315,7 @@ class Rank:
                 "decode_ctx": list(decode_ctx),
                 "queue": [list(q) for q in queue],
                 "inflight": self.chunked.rid if self.chunked else None,
-                "launched": list(inputs.get("launched", [])),
+                "launched": sorted(inputs.get("launched", [])),
                 "since_slice": pl.since_slice,
                 "slice_overshoot": pl.slice_overshoot,
                 "since_decode": pl.since_decode,

@@ -212,7 +212,7 @@ class BudgetRuntime:
             "slow": slow,
         }
         queue = list(queue)
-        launched = list(self.clock.launched_prefills())
+        launched = sorted(self.clock.launched_prefills())
         pl = self.planner
         # what the planner saw and carried over (the replay names the first that differs)
         self.last_round["inputs"] = {
