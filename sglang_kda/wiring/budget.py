@@ -68,8 +68,11 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     if os.path.exists(path):
         try:
             loaded = cost_store.load(path)
-            logger.info("cost model loaded from %s", path)
-            return CostModel(loaded.coef, kda_layers=kda_layers, mla_layers=mla)
+            why = cost_store.implausible(loaded)
+            if why is None:
+                logger.info("cost model loaded from %s", path)
+                return CostModel(loaded.coef, kda_layers=kda_layers, mla_layers=mla)
+            logger.warning("cost model file %s ignored: %s; fitting from scratch", path, why)
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("cost model file %s unusable (%s); fitting from scratch", path, e)
     return CostModel(kda_layers=kda_layers, mla_layers=mla)
@@ -312,6 +315,10 @@ class BudgetRuntime:
                     100 * f.error_ema,
                 )
         if f.n_observed == FIRST_SAVE or f.n_observed % SAVE_EVERY == 0:
+            why = cost_store.implausible(f.model)
+            if why is not None:  # the next server would plan with it
+                logger.warning("cost model not saved to %s: %s", self.path, why)
+                return
             try:
                 cost_store.save(f.model, self.path, key=os.path.basename(self.path))
             except OSError as e:

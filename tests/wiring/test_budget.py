@@ -24,6 +24,7 @@ from sglang_kda.wiring import adder as ad
 from sglang_kda.wiring.adder import leaders_of
 from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
 from sglang_kda import context
+from sglang_kda import cost_store
 from sglang_kda.state import RECENT_CUTS
 
 COEF = Coefficients(overhead=0.02, per_token=2e-5, per_kda_step=4e-4, per_prefill_round=1e-3)
@@ -115,6 +116,27 @@ def test_an_unusable_cost_model_file_means_fitting_from_scratch(tmp_path):
     bad.write_text("{not json")
     assert rt.load_cost_model(str(bad), 3, 1).coef == Coefficients()
     assert rt.load_cost_model(str(tmp_path / "missing.json"), 3, 1).coef == Coefficients()
+
+
+def test_a_cost_model_that_prices_prefill_at_nothing_is_neither_loaded_nor_saved(tmp_path):
+    """A fit left with only its attention terms (per token and per KDA step 0) was saved to the
+    shared cache file and planned later servers: six short prompts waited 8.0 s behind a 32k
+    prefill instead of 1.4 s. Such a file is ignored at load, and such a fit is not written."""
+    degenerate = Coefficients(
+        overhead=0.0, per_token=0.0, per_kda_step=0.0, per_attn_unit=1e-5, per_decode_ctx=1e-5
+    )
+    path = tmp_path / "cm.json"
+    cost_store.save(CostModel(degenerate, kda_layers=3, mla_layers=1), path)
+    assert cost_store.implausible(cost_store.load(path))
+    assert rt.load_cost_model(str(path), 3, 1).coef == Coefficients()  # from scratch
+    assert cost_store.implausible(CostModel(Coefficients(), 3, 1)) is None
+    st = _runtime(tmp_path)
+    st.fit.model = CostModel(degenerate, kda_layers=3, mla_layers=1)
+    st.fit.n_observed = rt.SAVE_EVERY - 1
+    st.path = str(tmp_path / "fresh.json")
+    st.fit.observe = lambda shape, seconds: setattr(st.fit, "n_observed", st.fit.n_observed + 1)
+    st.observe(BatchShape((100,), ()), 0.01)
+    assert not (tmp_path / "fresh.json").exists()
 
 
 def test_a_shared_round_that_overshoots_turns_pacing_on(tmp_path):
