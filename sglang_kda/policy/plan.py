@@ -495,6 +495,26 @@ class RoundPlanner:
         head = plan.rid if inflight is None else None
         return Decision(plan, True, chunk, keep, cap, plan.mix_decode, head)
 
+    def inputs_record(
+        self,
+        decode_ctx: Sequence[int],
+        queue: Iterable[tuple[str, int]],
+        inflight: Optional[str],
+        launched: Iterable[str],
+    ) -> dict:
+        """What :meth:`decide` is about to plan from, beside the carried pacing state, as plain
+        values: the round log's ``inputs`` on the server, compared with the simulator's by the
+        round-log replay."""
+        return {
+            "decode_ctx": [int(c) for c in decode_ctx],
+            "queue": [[rid, int(done)] for rid, done in queue],
+            "inflight": inflight,
+            "launched": sorted(launched),
+            "since_slice": self.since_slice,
+            "slice_overshoot": self.slice_overshoot,
+            "since_decode": self.since_decode,
+        }
+
     def observed(self, seconds: float, slices: bool, decode: bool) -> None:
         """A round ran in ``seconds``: a shared round (slices and decode) that overshot its
         budget turns pacing on even where the model predicted the slice fits."""

@@ -180,11 +180,12 @@ class SimConfig:
         stands for the spacing the launcher resolved (on CUDA, memory parity) in place of the
         flag's 0. ``overlap``: on unless ``disable_overlap_schedule`` or
         ``mamba_radix_cache_strategy="no_buffer"`` (under which the launcher disables it) is
-        given, or ``overlap`` itself."""
+        given, or ``overlap`` itself. ``finished_state``: ``prompt`` under ``no_buffer``, else
+        ``tracked`` (or ``finished_state`` itself)."""
         kc = flags if flags is not None else KDAConfig()
         server = dict(server)
-        no_overlap = bool(server.pop("disable_overlap_schedule", False))
-        no_overlap |= server.pop("mamba_radix_cache_strategy", "extra_buffer") == "no_buffer"
+        no_buffer = server.pop("mamba_radix_cache_strategy", "extra_buffer") == "no_buffer"
+        no_overlap = bool(server.pop("disable_overlap_schedule", False)) or no_buffer
         page = int(server.get("page_size", 1))
         chunk = int(server.get("chunked_prefill_size", 8192))
         values: dict = dict(
@@ -195,6 +196,7 @@ class SimConfig:
             budget=budget_config(kc, page, chunk) if kc.budget_on else None,
             max_checkpoints=kc.checkpoint_pool_size or None,
             overlap=not no_overlap,
+            finished_state="prompt" if no_buffer else "tracked",
         )
         values.update(server)
         return cls(**values)

@@ -310,22 +310,17 @@ class Rank:
             inputs = dict(self.plan_inputs)
             if prev is not None:
                 inputs["launched"] = [r.rid for r, _, _ in prev.slices]
-            pl = self.planner
-            self.last_inputs = {  # the round log's ``inputs``, for the replay's diagnosis
-                "decode_ctx": list(decode_ctx),
-                "queue": [list(q) for q in queue],
-                "inflight": self.chunked.rid if self.chunked else None,
-                "launched": sorted(inputs.get("launched", [])),
-                "since_slice": pl.since_slice,
-                "slice_overshoot": pl.slice_overshoot,
-                "since_decode": pl.since_decode,
-            }
+            inflight = self.chunked.rid if self.chunked else None
+            # the round log's ``inputs``, for the replay's diagnosis
+            self.last_inputs = self.planner.inputs_record(
+                decode_ctx, queue, inflight, inputs.get("launched", ())
+            )
             dec = self.planner.decide(
                 self.cost,
                 self.now,
                 decode_ctx,
                 queue,
-                inflight=self.chunked.rid if self.chunked else None,
+                inflight=inflight,
                 **{"decode_worst": [r.worst_gap for r in self.running], **inputs},
             )
             self.last_decision = dec

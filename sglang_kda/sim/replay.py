@@ -32,19 +32,8 @@ from sglang_kda.policy.cost_model import Coefficients, CostModel
 from sglang_kda.sim.config import SimConfig
 from sglang_kda.sim.rank import Rank, SimReq
 
-# What the simulator needs that the flags do not say. A log's header names the loop that ran
-# (``overlap``) and the state strategy (``mamba_strategy``); logs written before it did came from
-# ``no_buffer`` servers without the overlap scheduler, which these defaults model.
+# What the simulator needs that the flags do not say.
 SIM_ONLY = {"integrity": True}
-
-
-def _server_shape(header: dict) -> dict:
-    """The header's loop and strategy as :class:`SimConfig` fields."""
-    strategy = header.get("mamba_strategy") or "no_buffer"
-    return {
-        "overlap": bool(header.get("overlap", False)),
-        "finished_state": "prompt" if strategy == "no_buffer" else "tracked",
-    }
 
 
 @dataclass
@@ -55,7 +44,6 @@ class Mismatch:
     what: str  # "decision" or "slices"
     server: object
     sim: object
-
     inputs: Optional[dict] = None  # planner inputs that differ: name -> (server, sim)
 
     def __str__(self) -> str:
@@ -112,8 +100,11 @@ def sim_config(header: dict) -> SimConfig:
         max_prefill_tokens=header["max_prefill_tokens"],
         max_running_requests=header["max_running_requests"],
         enable_mixed_chunk=header["enable_mixed_chunk"],
+        # the loop and the state strategy the header names; logs written before it named them
+        # came from no_buffer servers without the overlap scheduler
+        mamba_radix_cache_strategy=header.get("mamba_strategy") or "no_buffer",
+        disable_overlap_schedule=not header.get("overlap", False),
         **SIM_ONLY,
-        **_server_shape(header),
     )
 
 
@@ -143,8 +134,8 @@ def replay(header: dict, passes: list[dict]) -> ReplayResult:
         got_dec = None if dec is None else dec.as_dict()
         want_dec = plan.get("decision") if plan else None
         if got_dec != want_dec:
-            res.mismatch = Mismatch(i, "decision", want_dec, got_dec)
-            res.mismatch.inputs = _differing_inputs(plan, getattr(rank, "last_inputs", None))
+            diff = _differing_inputs(plan, rank.last_inputs)
+            res.mismatch = Mismatch(i, "decision", want_dec, got_dec, diff)
             return res
         res.decisions += want_dec is not None
         ran = len(rank.rounds) > n_before

@@ -218,15 +218,7 @@ class BudgetRuntime:
         launched = sorted(self.clock.launched_prefills())
         pl = self.planner
         # what the planner saw and carried over (the replay names the first that differs)
-        self.last_round["inputs"] = {
-            "decode_ctx": list(map(int, decode_ctx)),
-            "queue": [[rid, int(done)] for rid, done in queue],
-            "inflight": inflight,
-            "launched": launched,
-            "since_slice": pl.since_slice,
-            "slice_overshoot": pl.slice_overshoot,
-            "since_decode": pl.since_decode,
-        }
+        self.last_round["inputs"] = pl.inputs_record(decode_ctx, queue, inflight, launched)
         dec = pl.decide(
             self.model,
             now,

@@ -27,6 +27,16 @@ def test_from_flags_resolves_overlap_as_the_server():
     assert SimConfig.from_flags(KDAConfig(), mamba_radix_cache_strategy="extra_buffer").overlap
 
 
+def test_from_flags_resolves_the_finished_state_from_the_strategy():
+    """A no_buffer server leaves a finished request's state at its prompt end; extra_buffer
+    where it tracked it (the round-log replay builds its rank from these settings)."""
+    assert SimConfig.from_flags(KDAConfig()).finished_state == "tracked"
+    nb = SimConfig.from_flags(KDAConfig(), mamba_radix_cache_strategy="no_buffer")
+    assert nb.finished_state == "prompt"
+    off = SimConfig.from_flags(KDAConfig(), disable_overlap_schedule=True)
+    assert off.finished_state == "tracked" and not off.overlap
+
+
 def test_a_rounds_tokens_come_after_the_next_rounds_forward():
     """One request, 3 tokens: prefill, two decodes; its first token is processed after the
     first decode round, the last decode needs no round of its own (the request finishing with
