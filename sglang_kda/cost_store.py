@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from sglang_kda.policy import cost_model
 from sglang_kda.policy.cost_model import CostModel
 
 
@@ -36,16 +37,9 @@ def load(path: str | os.PathLike) -> CostModel:
 
 
 def implausible(model: CostModel) -> str | None:
-    """Why ``model`` must not plan rounds (``None``: it may): it prices a prompt's tokens at
-    nothing, per token and per KDA step both 0. A fit can end there (the non-negative fit puts
-    every prefill second on the attention term when the window's prompts are all short), and
-    saved to the shared cache file it planned every later server: on the CPU server a model with
-    only the attention terms left kept six short prompts waiting 8.0 s behind a 32k prefill
-    (head_of_line.py --scenario arrivals) where a fresh fit let them in within 1.4 s."""
-    c = model.coef
-    if c.per_token <= 0 and c.per_kda_step <= 0:
-        return "it prices prefill tokens at 0 (per_token and per_kda_step both 0)"
-    return None
+    """Why ``model`` must not be loaded or saved (``None``: it may); see
+    :func:`sglang_kda.policy.cost_model.implausible`."""
+    return cost_model.implausible(model)
 
 
 def cache_key(model: str, device: str, dtype: str) -> str:

@@ -115,6 +115,9 @@ GROUPS: dict[str, dict[str, Metric]] = {
         ),
         "cost_model_steps": _counter("Steps fed to the cost model"),
         "cost_model_drift": _counter("Steps observed while the prediction error drifts"),
+        "cost_model_rejected_fits": _counter(
+            "Cost-model refits thrown away for pricing prefill tokens at 0"
+        ),
     },
 }
 _GROUP_OF = {name: group for group, table in GROUPS.items() for name in table}

@@ -322,6 +322,14 @@ class OnlineFit:
         predicted time over the last ``ratio_window`` steps that carried a prefill slice
         (``slice_steps``: their features and seconds, priced by the current model), once
         ``ratio_min`` were seen.
+    loaded: the starting model came from a file. If the first ``min_samples`` steps run more
+        than ``outlier`` times off it (median), it is dropped for the default coefficients
+        (:meth:`check_loaded`; counted in ``resets``): a file another engine wrote (a Triton
+        interpreter test server keeps the same model, device and dtype) priced a 1,000-token
+        slice at 7 s against 0.08 s measured, and with its prefill columns held (too few slice
+        steps in the window) the server planned 55 rounds with it.
+    rejected: refits thrown away because they priced prefill tokens at nothing
+        (:func:`implausible`); the model before the refit stands.
     """
 
     model: CostModel
@@ -342,6 +350,9 @@ class OnlineFit:
     prefill_min: int = 4
     ratio_quantile: float = 0.99
     slice_steps: list = field(default_factory=list)
+    loaded: bool = False
+    resets: int = 0
+    rejected: int = 0
 
     def observe(self, shape: BatchShape, seconds: float) -> float:
         """Record one real step; returns its relative prediction error (before any refit)."""
@@ -362,12 +373,32 @@ class OnlineFit:
         if len(self.samples_x) > self.window:
             del self.samples_x[0], self.samples_y[0]
         self.n_observed += 1
+        if self.loaded and self.n_observed >= self.min_samples:
+            self.check_loaded()
         if len(self.samples_x) >= self.min_samples and self.n_observed % self.refit_every == 0:
             if self.drifting:  # the machine changed: forget the steps from before
                 keep = max(self.min_samples, self.refit_every)
                 del self.samples_x[:-keep], self.samples_y[:-keep]
             self.refit()
         return err
+
+    def check_loaded(self) -> bool:
+        """Whether the model loaded from a file was dropped: the median of measured / predicted
+        time over the window is more than ``outlier`` times off. Checked once, after
+        ``min_samples`` steps. Dropped, the fit starts from the default coefficients with the
+        steps seen so far (the window stays)."""
+        self.loaded = False
+        coef = self.model.coef.as_vector()
+        ratios = [y / max(float(x @ coef), 1e-12) for x, y in zip(self.samples_x, self.samples_y)]
+        r = float(np.median(ratios)) if ratios else 1.0
+        if 1.0 / self.outlier <= r <= self.outlier:
+            return False
+        self.model = replace(self.model, coef=Coefficients())
+        self.slice_steps.clear()
+        self.error_ema = None
+        self.resets += 1
+        self.refit()
+        return True
 
     def refit(self) -> CostModel:
         """Refit on the window, weighting each step by 1 / its time (relative error).
@@ -422,7 +453,14 @@ class OnlineFit:
         coef = np.where(seen, v / scale, prior)
         if seen[3]:
             coef[4] = coef[3]
-        self.model = replace(self.model, coef=Coefficients.from_vector(coef))
+        new = replace(self.model, coef=Coefficients.from_vector(coef))
+        if implausible(new) is not None and implausible(self.model) is None:
+            # The non-negative fit can put every prefill second on the attention term (a
+            # window of short prompts, collinear with decode); planned with, such a model lets
+            # a whole long prompt into one round (issue 36's poisoned file). Keep the last one.
+            self.rejected += 1
+            return self.model
+        self.model = new
         return self.model
 
     def slow_factor(self, cap: float = SLOW_FACTOR_MAX) -> float:
@@ -458,6 +496,19 @@ class OnlineFit:
             and self.n_observed >= self.min_samples
             and self.error_ema > self.drift_threshold
         )
+
+
+def implausible(model: CostModel) -> str | None:
+    """Why ``model`` must not plan rounds (``None``: it may): it prices a prompt's tokens at
+    nothing, per token and per KDA step both 0. A fit can end there (the non-negative fit puts
+    every prefill second on the attention term when the window's prompts are all short), and
+    saved to the shared cache file it planned every later server: on the CPU server a model with
+    only the attention terms left kept six short prompts waiting 8.0 s behind a 32k prefill
+    (head_of_line.py --scenario arrivals) where a fresh fit let them in within 1.4 s."""
+    c = model.coef
+    if c.per_token <= 0 and c.per_kda_step <= 0:
+        return "it prices prefill tokens at 0 (per_token and per_kda_step both 0)"
+    return None
 
 
 def fit(shapes: Sequence[BatchShape], seconds: Sequence[float], base: CostModel) -> CostModel:

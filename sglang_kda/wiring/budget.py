@@ -294,7 +294,24 @@ class BudgetRuntime:
     def observe(self, shape: BatchShape, seconds: float) -> None:
         """Feed one timed step to the online fit; log drift; save the model now and then."""
         f = self.fit
+        resets, rejected = f.resets, f.rejected
         f.observe(shape, seconds)
+        if f.resets > resets:
+            logger.warning(
+                "cost model from %s dropped: the first %d steps ran more than %.0fx off it; "
+                "fitting from the default coefficients",
+                self.path,
+                f.n_observed,
+                f.outlier,
+            )
+        if f.rejected > rejected:
+            metrics.inc("cost_model_rejected_fits")
+            if f.rejected == 1 or f.rejected % DRIFT_LOG_EVERY == 0:
+                logger.warning(
+                    "cost model refit rejected (%d so far): it priced prefill tokens at 0; "
+                    "the last model stands",
+                    f.rejected,
+                )
         metrics.inc("cost_model_steps")
         if f.error_ema is not None:
             metrics.set_gauge("cost_model_error", f.error_ema)
@@ -388,7 +405,9 @@ def open_runtime(
         logger.info("--kda-budget serial: this TP rank applies TP rank 0's plans")
     return BudgetRuntime(
         cfg=cfg,
-        fit=OnlineFit(model),
+        # a model other than the defaults came from the file: dropped if the first steps run
+        # far off it (OnlineFit.check_loaded)
+        fit=OnlineFit(model, loaded=model.coef != CostModel().coef),
         planner=RoundPlanner(cfg),
         reject=kcfg.reject_infeasible == "on",
         path=path,

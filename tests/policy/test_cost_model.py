@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -281,3 +282,60 @@ def test_a_decode_only_window_keeps_the_prefill_coefficients():
     for s in _random_shapes(rng, 64):
         f.observe(s, 2 * TRUE.predict(s))
     assert f.model.coef.per_prefill_round != before.per_prefill_round
+
+
+def test_a_loaded_model_far_off_is_dropped_for_the_defaults():
+    """A cost-model file written by another engine under the same key (a server running the
+    Triton interpreter) priced 1,000-token slices ~90x over; loaded, it planned 55 rounds. The
+    fit drops such a model after its first ``min_samples`` steps and learns from the defaults;
+    a loaded model within ``outlier`` of the steps stays."""
+    poisoned = CostModel(
+        Coefficients(
+            overhead=6e-3,
+            per_token=5e-3,
+            per_kda_step=5e-4,
+            per_attn_unit=4e-5,
+            per_decode_ctx=4e-5,
+            per_prefill_round=0.84,
+            per_decode_seq=0.06,
+            per_slice=0.84,
+        ),
+        kda_layers=3,
+        mla_layers=1,
+    )
+    rng = random.Random(7)
+    f = OnlineFit(poisoned, loaded=True)
+    shapes = _random_shapes(rng, 200)
+    for s in shapes[:11]:
+        f.observe(s, TRUE.predict(s))
+    assert f.resets == 0 and f.model == poisoned
+    f.observe(shapes[11], TRUE.predict(shapes[11]))
+    assert f.resets == 1 and not f.loaded
+    for s in shapes[12:]:
+        f.observe(s, TRUE.predict(s))
+    held_out = _random_shapes(random.Random(8), 50)
+    assert rel_error(f.model, held_out, [TRUE.predict(s) for s in held_out]) < 0.2
+
+    near = OnlineFit(replace(TRUE, coef=replace(TRUE.coef, per_token=2 * TRUE.coef.per_token)))
+    near.loaded = True
+    for s in shapes[:40]:
+        near.observe(s, TRUE.predict(s))
+    assert near.resets == 0
+
+
+def test_a_refit_pricing_prefill_at_nothing_is_rejected():
+    """Steps whose time falls with their token count (all of it on attention) drive the
+    non-negative fit to per token = per KDA step = 0: such a refit is thrown away (a model
+    that prices prompt tokens at nothing lets a whole long prompt into one round) and the
+    model before it stands."""
+    f = OnlineFit(TRUE, refit_every=1 << 30)
+    rng = random.Random(9)
+    for _ in range(64):
+        sl = Slice(rng.randint(0, 4000), rng.randint(1, 1500))
+        shape = BatchShape((), (sl,))
+        secs = 5e-3 + 1e-8 * attention_work(sl.prefix, sl.extend) - 2e-6 * sl.extend + 4e-3
+        f.observe(shape, secs)
+    before = f.model
+    f.refit()
+    assert f.rejected == 1
+    assert f.model == before and cost_store.implausible(f.model) is None

@@ -48,8 +48,11 @@ def start_server(
     tmp_path_factory, tiny_model_dir: Path, name: str, extra: list[str], env=None
 ) -> Server:
     """A server on the tiny model with ``--chunked-prefill-size CHUNK`` and ``extra`` (and
-    ``env`` added to the environment); its log lies in a fresh pytest temporary directory."""
+    ``env`` added to the environment); its log lies in a fresh pytest temporary directory, and
+    so does its cost-model cache (``SGLANG_KDA_CACHE_DIR``): no server plans with a fit another
+    test's server saved."""
     log_dir = tmp_path_factory.mktemp("server-logs")
+    env = {"SGLANG_KDA_CACHE_DIR": str(log_dir / "cache"), **(env or {})}
     args = ["--model-path", str(tiny_model_dir), "--chunked-prefill-size", str(CHUNK), *extra]
     return Server(
         args,

@@ -482,3 +482,24 @@ def test_a_step_that_ran_inside_its_launch_is_timed_by_its_launch():
     clock.launched(res_n1, 11.5, "64 tokens", ran=0.1)
     assert clock.finished(res_n, 11.6) == ("4096 tokens", 1.5)  # not 11.6 - 10.0
     assert clock.finished(res_n1, 11.7) == ("64 tokens", 0.1)
+
+
+def test_a_cost_model_file_far_off_the_steps_is_dropped(tmp_path, caplog):
+    """The shared cache file once held a fit from a Triton-interpreter test server (same model,
+    device and dtype): 100x over on every slice. A runtime that loaded it drops it after the
+    first dozen steps and fits from the default coefficients, with a warning."""
+    slow = Coefficients(overhead=0.5, per_token=5e-3, per_kda_step=0.04, per_prefill_round=0.8)
+    cost_store.save(CostModel(slow, kda_layers=3, mla_layers=1), tmp_path / "cm.json")
+    kcfg = KDAConfig(policy="kda", budget="serial", cost_model=str(tmp_path / "cm.json"))
+    st = rt.open_runtime(
+        kcfg, kda_layers=3, mla_layers=1, chunked_prefill_size=1024, page_size=1,
+        model_path="/models/tiny", device="cpu", dtype="float32",
+    )  # fmt: skip
+    assert st.fit.model.coef == slow and st.fit.loaded
+    truth = CostModel(COEF, kda_layers=3, mla_layers=1)
+    shapes = [BatchShape((100, 200), (Slice(0, 64 * (1 + i % 8)),)) for i in range(20)]
+    with caplog.at_level("WARNING"):
+        for s in shapes:
+            st.step_ran(s, truth.predict(s))
+    assert st.fit.resets == 1 and st.fit.model.coef != slow
+    assert "dropped" in caplog.text
