@@ -20,7 +20,8 @@ Servers
         while refused, returns the number of refusals, raises on timeout or a dead server),
         ``server_info()``, ``kda_report(rank=0)`` (the ``sglang_kda`` block of ``/server_info``),
         ``wait_no_requests(timeout_s)`` (returns the occupancy once nothing runs or waits),
-        ``metrics()``, ``stop()`` (idempotent); usable as a context manager.
+        ``metrics()``, ``stop()`` (idempotent); usable as a context manager. Its cost-model
+        cache (``SGLANG_KDA_CACHE_DIR``) is :func:`own_cache_dir` unless the environment sets one.
     ``launch(model, *, policy=None, extra=(), log, name=None, env=None, ...) -> Server``: the
         same with ``--model-path model [--kda-policy policy] *extra``; prints the ready time.
     ``tiny_model_dir() -> Path``: the embedded tiny model (built on first use).
@@ -65,6 +66,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +92,19 @@ _SCRUBBED_ENV = ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET")
 
 
 PORT_ATTEMPTS = 3  # starts of a server whose port another process took first
+_CACHE_DIR: list[str] = []
+
+
+def own_cache_dir() -> str:
+    """The cost-model cache directory of the servers this process starts (unless the caller's
+    environment or ``env`` names one): a fresh temporary directory per benchmark or test run,
+    shared by its servers. The machine's ``~/.cache/sglang_kda`` is written by every server
+    there, test servers running the Triton interpreter included, and a fit one of them left
+    planned the next benchmark's first rounds (issue 36): a run's first kda server fits from
+    the defaults, later ones start from the fit it saved."""
+    if not _CACHE_DIR:
+        _CACHE_DIR.append(tempfile.mkdtemp(prefix="sglang-kda-cache-"))
+    return _CACHE_DIR[0]
 
 
 class PortTaken(RuntimeError):
@@ -129,6 +144,7 @@ class Server:
         self.ready_s = math.nan
         self._stop_grace_s = stop_grace_s
         full_env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+        full_env.setdefault("SGLANG_KDA_CACHE_DIR", own_cache_dir())
         full_env.update(env or {})
         for attempt in range(PORT_ATTEMPTS):
             # A port free now can be taken before the server binds it (another server starting
