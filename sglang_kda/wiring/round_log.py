@@ -20,6 +20,9 @@ one pass of the scheduler's loop that planned or ran something:
 * ``decode``: the rids decoding in it (a decode batch, or the decode part of a mixed one);
 * ``seconds``: the step's time as the serial budget measured it (launch to processed result),
   or without the budget from the end of the pass to the start of the next (``null``: no batch).
+  Under the overlap scheduler a step's result is processed in the pass after the next one
+  launched; its time goes to the entry of the pass that launched it (entries wait for it, in
+  order), not to the pass that measured it.
 
 Passes with nothing queued, nothing running and nothing planned are written once per idle
 stretch (the planner's state does not change in them). The replay is
@@ -32,12 +35,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from typing import Any, Optional
 
 from sglang_kda import context
 from sglang_kda.steps import prefill_slices
 
 MARK = "_kda_round_logged"
+_ENDED = "_ended"  # on an entry whose step's time is not known yet: its pass's end (not written)
 
 
 class RoundLog:
@@ -45,27 +50,41 @@ class RoundLog:
 
     def __init__(self, path: str, header: dict) -> None:
         self.f = open(path, "w", buffering=1)  # noqa: SIM115  (open for the process' life)
-        self.pending: Optional[dict] = None  # the last pass's entry, its step still running
-        self.pending_end = 0.0  # when that pass ended (perf_counter)
+        # entries not yet written, in pass order: those whose step has no time yet (the
+        # overlap scheduler measures a step one pass late) and any written after them
+        self.queue: deque = deque()
+        # passes whose steps can be running at once: the overlap scheduler launches the next
+        # step before processing the last one's result
+        self.depth = 2 if header.get("overlap") else 1
         self.idle_written = False
         self._write({"kind": "header", **header})
 
     def _write(self, obj: dict) -> None:
         self.f.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
+    def _flush(self) -> None:
+        while self.queue and _ENDED not in self.queue[0]:
+            self._write(self.queue.popleft())
+
     def begin(self, sched: Any) -> dict:
-        """A pass of the loop begins (the last pass's step is done): write the last pass's entry
-        and note the requests new in the queue."""
+        """A pass of the loop begins: give the step measured since the last pass its time, write
+        the entries that have theirs, and note the requests new in the queue."""
         st = context.of(sched).budget
-        if self.pending is not None:
-            measured = st.last_step_s if st else None
-            if measured is None:
-                measured = time.perf_counter() - self.pending_end
-            self.pending["seconds"] = measured
-            self._write(self.pending)
-            self.pending = None
-        if st:
+        waiting = [e for e in self.queue if _ENDED in e]
+        now = time.perf_counter()
+        if st is None:  # no step clock (budget off): a step's time is its pass's end to this pass
+            for e in waiting:
+                e["seconds"] = now - e.pop(_ENDED)
+        else:
+            if st.last_step_s is not None and waiting:
+                e = waiting.pop(0)
+                e["seconds"] = st.last_step_s
+                del e[_ENDED]
+            while len(waiting) >= self.depth:  # untimed, and no result of it can come any more
+                e = waiting.pop(0)
+                e["seconds"] = now - e.pop(_ENDED)
             st.last_step_s = None
+        self._flush()
         arrivals = []
         for req in sched.waiting_queue:
             if getattr(req, MARK, False):
@@ -97,11 +116,12 @@ class RoundLog:
             if quiet and self.idle_written:
                 return
             self.idle_written = quiet
-            self._write(entry)
+            self.queue.append(entry)
+            self._flush()
             return
         self.idle_written = False
-        self.pending = entry
-        self.pending_end = time.perf_counter()
+        entry[_ENDED] = time.perf_counter()
+        self.queue.append(entry)
 
 
 def batch_rounds(batch: Any) -> tuple[list, list]:
