@@ -16,7 +16,6 @@ import json
 import os
 from pathlib import Path
 
-from sglang_kda.policy import cost_model
 from sglang_kda.policy.cost_model import CostModel
 
 
@@ -34,12 +33,6 @@ def save(
 def load(path: str | os.PathLike) -> CostModel:
     """The cost model written at ``path`` (``ValueError`` for another file format)."""
     return CostModel.from_dict(json.loads(Path(path).read_text()))
-
-
-def implausible(model: CostModel) -> str | None:
-    """Why ``model`` must not be loaded or saved (``None``: it may); see
-    :func:`sglang_kda.policy.cost_model.implausible`."""
-    return cost_model.implausible(model)
 
 
 def cache_key(model: str, device: str, dtype: str) -> str:

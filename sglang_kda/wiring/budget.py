@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 from sglang_kda import cost_store, metrics
 from sglang_kda.config import budget_config
 from sglang_kda.policy.budget import BudgetConfig
-from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit
+from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit, implausible
 from sglang_kda.policy.finish import StreamGaps
 from sglang_kda.policy.plan import Decision, RoundPlanner
 from sglang_kda.wiring.step_clock import StepClock
@@ -68,7 +68,7 @@ def load_cost_model(path: str, kda_layers: int, mla_layers: int) -> CostModel:
     if os.path.exists(path):
         try:
             loaded = cost_store.load(path)
-            why = cost_store.implausible(loaded)
+            why = implausible(loaded)
             if why is None:
                 logger.info("cost model loaded from %s", path)
                 return CostModel(loaded.coef, kda_layers=kda_layers, mla_layers=mla)
@@ -324,7 +324,7 @@ class BudgetRuntime:
                     100 * f.error_ema,
                 )
         if f.n_observed == FIRST_SAVE or f.n_observed % SAVE_EVERY == 0:
-            why = cost_store.implausible(f.model)
+            why = implausible(f.model)
             if why is not None:  # the next server would plan with it
                 logger.warning("cost model not saved to %s: %s", self.path, why)
                 return

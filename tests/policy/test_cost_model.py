@@ -18,6 +18,7 @@ from sglang_kda.policy.cost_model import (
     Slice,
     attention_work,
     fit,
+    implausible,
     kda_steps,
     nnls,
     rel_error,
@@ -316,8 +317,8 @@ def test_a_loaded_model_far_off_is_dropped_for_the_defaults():
     held_out = _random_shapes(random.Random(8), 50)
     assert rel_error(f.model, held_out, [TRUE.predict(s) for s in held_out]) < 0.2
 
-    near = OnlineFit(replace(TRUE, coef=replace(TRUE.coef, per_token=2 * TRUE.coef.per_token)))
-    near.loaded = True
+    doubled = replace(TRUE.coef, per_token=2 * TRUE.coef.per_token)
+    near = OnlineFit(replace(TRUE, coef=doubled), loaded=True)
     for s in shapes[:40]:
         near.observe(s, TRUE.predict(s))
     assert near.resets == 0
@@ -338,4 +339,4 @@ def test_a_refit_pricing_prefill_at_nothing_is_rejected():
     before = f.model
     f.refit()
     assert f.rejected == 1
-    assert f.model == before and cost_store.implausible(f.model) is None
+    assert f.model == before and implausible(f.model) is None

@@ -22,7 +22,7 @@ from sglang_kda.wiring import step_clock as sc
 from sglang_kda.policy.adder import AdderRound, adder_grid
 from sglang_kda.wiring import adder as ad
 from sglang_kda.wiring.adder import leaders_of
-from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice
+from sglang_kda.policy.cost_model import BatchShape, Coefficients, CostModel, Slice, implausible
 from sglang_kda import context
 from sglang_kda import cost_store
 from sglang_kda.state import RECENT_CUTS
@@ -127,9 +127,9 @@ def test_a_cost_model_that_prices_prefill_at_nothing_is_neither_loaded_nor_saved
     )
     path = tmp_path / "cm.json"
     cost_store.save(CostModel(degenerate, kda_layers=3, mla_layers=1), path)
-    assert cost_store.implausible(cost_store.load(path))
+    assert implausible(cost_store.load(path))
     assert rt.load_cost_model(str(path), 3, 1).coef == Coefficients()  # from scratch
-    assert cost_store.implausible(CostModel(Coefficients(), 3, 1)) is None
+    assert implausible(CostModel(Coefficients(), 3, 1)) is None
     st = _runtime(tmp_path)
     st.fit.model = CostModel(degenerate, kda_layers=3, mla_layers=1)
     st.fit.n_observed = rt.SAVE_EVERY - 1
