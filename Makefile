@@ -13,7 +13,7 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 PYTEST_ARGS ?=
 
-.PHONY: venv venv-gpu serve test model bench-kernels gpu-kit lint clean libibverbs
+.PHONY: venv venv-gpu serve test model bench-kernels gpu-kit lint clean libibverbs jemalloc
 
 venv: $(STAMP)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml requirements/runtime.txt requirements/test.txt requirem
 	$(BIN)/pip install -q -c requirements/constraints.txt -r requirements/runtime.txt -r requirements/test.txt
 	$(BIN)/pip install -q --no-deps -e .
 	$(BIN)/python -c "import sglang_kda, sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
-	@$(MAKE) --no-print-directory libibverbs
+	@$(MAKE) --no-print-directory libibverbs jemalloc
 	touch $(STAMP)
 
 # Mooncake's engine.so (requirements/test.txt, PD disaggregation) links libibverbs.so.1, Debian's
@@ -41,6 +41,18 @@ libibverbs:
 		{ apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null; } || \
 		echo "note: apt-get could not install libibverbs1; PD (mooncake) tests will skip"; \
 	else echo "note: mooncake.engine does not import (libibverbs1 missing?); as root: apt-get install -y libibverbs1"; fi
+
+# The CPU launcher preloads jemalloc (Debian's libjemalloc2) into SGLang's processes: under
+# glibc's malloc the kda scheduler's memory kept rising with the checkpoint cache's churn
+# (docs/cpu.md, "Memory"). Installed with apt-get when missing and this runs as root; otherwise
+# a note, and the launcher runs on glibc's malloc and says so.
+jemalloc:
+	@if ls /usr/lib/*/libjemalloc.so.2 >/dev/null 2>&1 || [ -e /usr/lib64/libjemalloc.so.2 ] || [ -e /usr/local/lib/libjemalloc.so.2 ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q libjemalloc2 >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && apt-get install -y -q libjemalloc2 >/dev/null; } || \
+		echo "note: apt-get could not install libjemalloc2; the CPU server runs on glibc's malloc"; \
+	else echo "note: jemalloc missing; as root: apt-get install -y libjemalloc2 (the CPU server runs on glibc's malloc without it)"; fi
 
 # GPU machines (not yet run: no GPU has been lent): SGLang 0.5.23 with its own CUDA dependency
 # list (torch 2.14.1, sglang-kernel, flashinfer, ...), then this package without deps, so nothing

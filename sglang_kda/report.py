@@ -68,6 +68,20 @@ def threads() -> dict:
     return {"torch_threads": torch.get_num_threads(), "cpu_affinity": affinity}
 
 
+def allocator() -> str:
+    """The C allocator this process runs on: ``jemalloc`` or ``tcmalloc`` when one is preloaded
+    (the CPU launcher preloads jemalloc, ``launch_server.allocator_env``), else ``glibc``."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:  # not Linux
+        return "unknown"
+    for name in ("jemalloc", "tcmalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "glibc"
+
+
 def scheduler_report(ctx, scheduler=None) -> dict:
     """The report of the calling scheduler process itself (one rank)."""
     from sglang_kda import patches
@@ -82,6 +96,7 @@ def scheduler_report(ctx, scheduler=None) -> dict:
     }
     if ctx.cpu_engine:
         report["threads"] = threads()
+        report["allocator"] = allocator()
     if scheduler is not None:
         report["occupancy"] = occupancy(scheduler)
     if "schedule_policy" in report["patches"]:

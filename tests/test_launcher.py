@@ -237,3 +237,18 @@ def test_a_pd_server_on_cpu_runs_without_overlap(tiny_model_dir, monkeypatch):
         _, argv, _ = build_argv([*model, "--disaggregation-mode", mode, "--page-size", "64"])
         assert argv[argv.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
         assert "--disable-overlap-schedule" in argv
+
+
+def test_cpu_processes_run_on_jemalloc_where_it_is_installed(tmp_path):
+    from sglang_kda.launch_server import allocator_env
+
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")
+    env, note = allocator_env(environ={}, paths=(str(tmp_path / "absent.so"), str(lib)))
+    assert env == {"LD_PRELOAD": str(lib)} and "jemalloc" in note
+    # your LD_PRELOAD wins, an empty one too (glibc's malloc, on purpose)
+    for yours in ("/opt/libtcmalloc.so", ""):
+        env, note = allocator_env(environ={"LD_PRELOAD": yours}, paths=(str(lib),))
+        assert env == {} and "LD_PRELOAD" in note
+    env, note = allocator_env(environ={}, paths=(str(tmp_path / "absent.so"),))
+    assert env == {} and "apt-get install libjemalloc2" in note

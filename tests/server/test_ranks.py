@@ -18,12 +18,13 @@ reference forward; a decode stream and a long chunked prompt run together to the
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 from harness import LOGPROB_ATOL, NEW_TOKENS, check_against_reference, generate, start_server
 
-from sglang_kda.launch_server import THREADS_BIND_ENV, _cpus_by_node
+from sglang_kda.launch_server import JEMALLOC_PATHS, THREADS_BIND_ENV, _cpus_by_node
 from sglang_kda.report import rank_reports
 
 pytestmark = pytest.mark.server
@@ -81,6 +82,9 @@ def test_every_rank_reports_kda_and_the_patches(ranked):
         assert r["policy"] == "kda" and r["cpu_engine"] is True, r
         assert LIVE_PATCHES <= set(r["patches"]), r["patches"]
         assert r["threads"]["torch_threads"] >= 1, r["threads"]
+        # the launcher preloads jemalloc where it is installed (make venv does, as root)
+        if any(os.path.exists(p) for p in JEMALLOC_PATHS) and "LD_PRELOAD" not in os.environ:
+            assert r["allocator"] == "jemalloc", r
     print(name, [(r["tp_rank"], r["dp_rank"], r["pid"], r["threads"]) for r in reports])
     if name == "tp2":
         assert len(info["internal_states"]) == 1  # TP rank 0 answers for its group
