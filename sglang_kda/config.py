@@ -303,7 +303,10 @@ class KDAConfig:
         slowdown,
         "0 (off) or a factor >= 1",
         "Under `--kda-budget serial`, a prefill sharing rounds with decode finishes within "
-        "about N x its predicted time running alone: once it falls behind that pace its slice "
+        "about N x its predicted time running alone (N applies to the part of that time beyond "
+        "three round budgets; a prompt within them is taken whole, up to the chunk): once it "
+        "falls behind "
+        "that pace its slice "
         "grows past the round budget to keep 1/N of its rate alone (a slow spell, a fixed cost "
         "per round near the budget), and decode pays the difference; a prefill ahead of the "
         "pace keeps the round budget. A prefill behind that pace (it queued behind others), or "

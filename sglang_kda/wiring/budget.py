@@ -37,6 +37,7 @@ from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import BatchShape, CostModel, OnlineFit, implausible
 from sglang_kda.policy.finish import StreamGaps
 from sglang_kda.policy.plan import Decision, RoundPlanner
+from sglang_kda.policy.slices import prompt_slowdown
 from sglang_kda.wiring.step_clock import StepClock
 
 logger = logging.getLogger(__name__)
@@ -241,6 +242,9 @@ class BudgetRuntime:
                 "slack_s": p.slack_s,
                 "tokens": p.tokens,
             }
+            head = next((q for q in pl.book.pending([p.rid]) if q.rid == p.rid), None)
+            if head is not None:  # the head's own slowdown allowance (slices.prompt_slowdown)
+                self.last_round["why"]["slowdown"] = prompt_slowdown(pl.cfg, head, p.budget_s)
         if dec is not None:
             metrics.inc("budget_rounds", mode=dec.plan.mode)
         return dec

@@ -1013,3 +1013,46 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
     # without max_round_s the stretch stays FINISH_STRETCH x the budget
     off = replace(cfg, max_round_s=0.0)
     assert plan_round(CPU_TINY, off, 0.0, decode, [head, *queued]).mode == "share"
+
+
+def test_a_prompt_a_few_rounds_finish_may_be_slowed_little_a_long_one_fully():
+    """Issue 39: the slowdown allowance (``prompt_slowdown``) is 1.1 for a prompt whose time
+    alone is within three round budgets, and approaches ``max_slowdown`` as its time alone
+    grows past them; the progress floor holds each prompt to its own allowance."""
+    from sglang_kda.policy.slices import (
+        SHORT_PROMPT_ROUNDS,
+        SHORT_PROMPT_SLACK,
+        progress_floor,
+        prompt_slowdown,
+    )
+
+    cfg = BudgetConfig(max_slowdown=1.75)
+    budget = 0.05
+    short = Prefill("s", 1e9, 0, 1500, alone_s=0.12)  # within 3 x 50 ms
+    mid = Prefill("m", 1e9, 0, 4000, alone_s=0.3)
+    long = Prefill("l", 1e9, 0, 60000, alone_s=10.0)
+    assert prompt_slowdown(cfg, short, budget) == pytest.approx(1 + SHORT_PROMPT_SLACK)
+    assert SHORT_PROMPT_SLACK == 0.0  # whole, where the budget allows it (issue 39)
+    bulk = (0.3 - SHORT_PROMPT_ROUNDS * budget) / 0.3
+    assert prompt_slowdown(cfg, mid, budget) == pytest.approx(1 + 0.75 * bulk)
+    assert 1.73 < prompt_slowdown(cfg, long, budget) <= 1.75
+    # never above max_slowdown; off stays off
+    assert prompt_slowdown(replace(cfg, max_slowdown=1.05), short, budget) == min(
+        1.05, 1 + SHORT_PROMPT_SLACK
+    )
+    assert prompt_slowdown(replace(cfg, max_slowdown=1.05), long, budget) <= 1.05
+    assert prompt_slowdown(replace(cfg, max_slowdown=0), short, budget) == 0
+    # without a time alone (not yet known) the flag's allowance applies
+    assert prompt_slowdown(cfg, Prefill("u", 1e9, 0, 1500), budget) == 1.75
+    # monotone in the time alone
+    alone = [0.05 * k for k in range(1, 60)]
+    got = [prompt_slowdown(cfg, replace(short, alone_s=a), budget) for a in alone]
+    assert got == sorted(got)
+
+    # the floor: a short prompt beside decode is held to 1/1.1 of its rate alone, so it takes
+    # a larger slice than under the flag's 1.75
+    p = Prefill("p", 1e9, 0, 1536, alone_s=0.1)
+    ctx = [1000] * 7
+    tight = progress_floor(MODEL, ctx, p, cfg, budget=budget)
+    flag_only = progress_floor(MODEL, ctx, replace(p, alone_s=None), cfg, budget=budget)
+    assert tight > flag_only and tight % 64 == 0
