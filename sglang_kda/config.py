@@ -305,10 +305,9 @@ class KDAConfig:
         "Under `--kda-budget serial`, a prefill sharing rounds with decode finishes within "
         "about N x its predicted time running alone (N applies to the part of that time beyond "
         "three round budgets; a prompt within them is taken whole, up to the chunk): once it "
-        "falls behind "
-        "that pace its slice "
-        "grows past the round budget to keep 1/N of its rate alone (a slow spell, a fixed cost "
-        "per round near the budget), and decode pays the difference; a prefill ahead of the "
+        "falls behind that pace its slice grows past the round budget to keep 1/N of its rate "
+        "alone (a slow spell, a fixed cost per round near the budget), and decode pays the "
+        "difference; a prefill ahead of the "
         "pace keeps the round budget. A prefill behind that pace (it queued behind others), or "
         "with prompts queued behind it that need rounds of their own, keeps 1/1.25 of its rate "
         "alone (or 1/N where N is smaller). `0` = the round budget alone decides.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from sglang_kda import context, state
@@ -68,9 +69,11 @@ def threads() -> dict:
     return {"torch_threads": torch.get_num_threads(), "cpu_affinity": affinity}
 
 
+@functools.lru_cache(maxsize=1)
 def allocator() -> str:
     """The C allocator this process runs on: ``jemalloc`` or ``tcmalloc`` when one is preloaded
-    (the CPU launcher preloads jemalloc, ``launch_server.allocator_env``), else ``glibc``."""
+    (the CPU launcher preloads jemalloc, ``launch_server.allocator_env``), else ``glibc``.
+    Read once: a process keeps the allocator it started with."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()

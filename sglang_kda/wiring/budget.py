@@ -242,8 +242,7 @@ class BudgetRuntime:
                 "slack_s": p.slack_s,
                 "tokens": p.tokens,
             }
-            head = next((q for q in pl.book.pending([p.rid]) if q.rid == p.rid), None)
-            if head is not None:  # the head's own slowdown allowance (slices.prompt_slowdown)
+            for head in pl.book.pending([p.rid]):  # its own allowance (slices.prompt_slowdown)
                 self.last_round["why"]["slowdown"] = prompt_slowdown(pl.cfg, head, p.budget_s)
         if dec is not None:
             metrics.inc("budget_rounds", mode=dec.plan.mode)

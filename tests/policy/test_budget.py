@@ -1016,9 +1016,10 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
 
 
 def test_a_prompt_a_few_rounds_finish_may_be_slowed_little_a_long_one_fully():
-    """Issue 39: the slowdown allowance (``prompt_slowdown``) is 1.1 for a prompt whose time
-    alone is within three round budgets, and approaches ``max_slowdown`` as its time alone
-    grows past them; the progress floor holds each prompt to its own allowance."""
+    """Issue 39: the slowdown allowance (``prompt_slowdown``) is 1 + SHORT_PROMPT_SLACK (none:
+    taken whole) for a prompt whose time alone is within three round budgets, and approaches
+    ``max_slowdown`` as its time alone grows past them; the progress floor holds each prompt to
+    its own allowance."""
     from sglang_kda.policy.slices import (
         SHORT_PROMPT_ROUNDS,
         SHORT_PROMPT_SLACK,
@@ -1049,7 +1050,7 @@ def test_a_prompt_a_few_rounds_finish_may_be_slowed_little_a_long_one_fully():
     got = [prompt_slowdown(cfg, replace(short, alone_s=a), budget) for a in alone]
     assert got == sorted(got)
 
-    # the floor: a short prompt beside decode is held to 1/1.1 of its rate alone, so it takes
+    # the floor: a short prompt beside decode is held to its rate alone (whole), so it takes
     # a larger slice than under the flag's 1.75
     p = Prefill("p", 1e9, 0, 1536, alone_s=0.1)
     ctx = [1000] * 7

@@ -18,13 +18,12 @@ reference forward; a decode stream and a long chunked prompt run together to the
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 from harness import LOGPROB_ATOL, NEW_TOKENS, check_against_reference, generate, start_server
 
-from sglang_kda.launch_server import JEMALLOC_PATHS, THREADS_BIND_ENV, _cpus_by_node
+from sglang_kda.launch_server import THREADS_BIND_ENV, _cpus_by_node, allocator_env
 from sglang_kda.report import rank_reports
 
 pytestmark = pytest.mark.server
@@ -83,7 +82,7 @@ def test_every_rank_reports_kda_and_the_patches(ranked):
         assert LIVE_PATCHES <= set(r["patches"]), r["patches"]
         assert r["threads"]["torch_threads"] >= 1, r["threads"]
         # the launcher preloads jemalloc where it is installed (make venv does, as root)
-        if any(os.path.exists(p) for p in JEMALLOC_PATHS) and "LD_PRELOAD" not in os.environ:
+        if allocator_env()[0]:
             assert r["allocator"] == "jemalloc", r
     print(name, [(r["tp_rank"], r["dp_rank"], r["pid"], r["threads"]) for r in reports])
     if name == "tp2":
