@@ -28,9 +28,12 @@ machine whose speed drifts, runs of one policy after the other are not comparabl
 kda run the server's ``/server_info`` sglang_kda report is saved next to the CSV
 (``<out>.<label>.server_info.json``), and every request's TTFT and longest inter-token gap,
 all runs, to ``<out>.requests.csv`` (bench_serving's ``--output-details``): which request set
-a run's TTFT p99. Beside bench_serving's pooled ITL percentiles, the CSV and the ratio table give
-the per-request worst decode gap over the run's requests, ``gap_p50_ms``, ``gap_p90_ms`` and
-``gap_max_ms`` (:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall).
+a run's TTFT p99. ``--variant LABEL=POLICY:WORDS`` adds a server with its own flags (and
+environment) to the rotation, e.g. ``--policies stock,kda,ck`` with
+``--variant "ck=kda:--kda-checkpoint-every 512"``. Beside bench_serving's pooled ITL
+percentiles, the CSV and the ratio table give the per-request worst decode gap over the run's
+requests, ``gap_p50_ms``, ``gap_p90_ms`` and ``gap_max_ms``
+(:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall).
 """
 
 from __future__ import annotations
@@ -62,6 +65,25 @@ METRICS = (
 
 
 GSP = ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len")
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, list[str], dict[str, str]]]:
+    """``LABEL=POLICY:WORDS`` -> ``(LABEL, (POLICY, flags, env))``: words ``NAME=VALUE`` with an
+    upper-case NAME set the server's environment (``SGLANG_KDA_STEP_TRACE=FILE``), the others
+    are server flags."""
+    label, sep, rest = text.partition("=")
+    policy, _, words = rest.partition(":")
+    if not sep or not label or policy not in ("stock", "kda"):
+        raise SystemExit(f"--variant {text!r}: expected LABEL=stock|kda:WORDS")
+    env = {}
+    flags = []
+    for w in words.split():
+        name, eq, value = w.partition("=")
+        if eq and name.isupper():
+            env[name] = value
+        else:
+            flags.append(w)
+    return label, (policy, flags, env)
 
 
 def run_bench(port: int, model: str, args: argparse.Namespace, out: Path) -> dict:
@@ -135,8 +157,15 @@ def main() -> int:
         help="kda servers write --kda-round-log <out>.<label>.rounds.jsonl",
     )  # fmt: skip
     parser.add_argument(
-        "--policies", default="stock,kda", help="comma-separated, run in this order"
-    )
+        "--policies", default="stock,kda",
+        help="comma-separated, run in this order: policies or --variant labels",
+    )  # fmt: skip
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="LABEL=POLICY:FLAGS",
+        help="a server to run under LABEL: --kda-policy POLICY plus the space-separated words "
+        "(server flags; NAME=VALUE words set its environment) on top of the common flags, e.g. "
+        "'ck512=kda:--kda-checkpoint-every 512'",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "benchmark/results/serving_side_by_side.csv"))
     parser.add_argument("server_args", nargs="*", help="extra server flags, after --")
     args = parser.parse_args()
@@ -146,16 +175,18 @@ def main() -> int:
     out_csv.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="kda-bench-"))
     results: dict[str, dict] = {}
+    variants = dict(parse_variant(v) for v in args.variant)
     policies = args.policies.split(",") * max(1, args.repeat)
-    for i, policy in enumerate(policies):
+    for i, name in enumerate(policies):
         # The same policy twice (e.g. "stock,stock") measures the run-to-run noise floor.
-        label = policy if policies.count(policy) == 1 else f"{policy}#{i}"
+        label = name if policies.count(name) == 1 else f"{name}#{i}"
         log = tmp / f"{label}.log"
-        extra = list(args.server_args)
+        policy, own, env = variants.get(name, (name, [], {}))
+        extra = [*args.server_args, *own]
         if args.round_log and policy != "stock":
             rounds = out_csv.with_name(f"{out_csv.stem}.{label}.rounds.jsonl")
             extra += ["--kda-round-log", str(rounds)]
-        with launch(model, policy=policy, extra=extra, log=log, name=label) as server:
+        with launch(model, policy=policy, extra=extra, log=log, name=label, env=env) as server:
             results[label] = with_gaps(run_bench(server.port, model, args, tmp / f"{label}.jsonl"))
             if policy != "stock":
                 info = out_csv.with_name(f"{out_csv.stem}.{label}.server_info.json")

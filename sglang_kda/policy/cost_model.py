@@ -353,6 +353,10 @@ class OnlineFit:
     loaded: bool = False
     resets: int = 0
     rejected: int = 0
+    # slice steps seen so far, and the last quantile read (:meth:`slice_ratio`): the planner
+    # reads it every round, the steps and the model change only when a slice step comes in
+    n_slice_steps: int = 0
+    _ratio_memo: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def observe(self, shape: BatchShape, seconds: float) -> float:
         """Record one real step; returns its relative prediction error (before any refit)."""
@@ -366,6 +370,7 @@ class OnlineFit:
         x = self.model.features(shape)
         if shape.slices:
             self.slice_steps.append((x, float(seconds)))
+            self.n_slice_steps += 1
             if len(self.slice_steps) > self.ratio_window:
                 del self.slice_steps[0]
         self.samples_x.append(x)
@@ -484,10 +489,17 @@ class OnlineFit:
         return min(max(self.slice_ratio(self.ratio_quantile), 1.0), cap)
 
     def slice_ratio(self, q: float) -> float:
-        """The ``q`` quantile of measured / predicted (current model) over the slice steps."""
+        """The ``q`` quantile of measured / predicted (current model) over the slice steps
+        (computed again only after a slice step or a new model)."""
+        key = (self.model, self.n_slice_steps, len(self.slice_steps), q)
+        memo = self._ratio_memo
+        if memo and memo[0] is key[0] and memo[1:-1] == key[1:]:
+            return memo[-1]
         coef = self.model.coef.as_vector()
         ratios = [y / max(float(x @ coef), 1e-9) for x, y in self.slice_steps]
-        return float(np.quantile(ratios, q))
+        value = float(np.quantile(ratios, q))
+        self._ratio_memo = (*key, value)
+        return value
 
     @property
     def drifting(self) -> bool:

@@ -11,7 +11,8 @@ that round runs without the decode tokens.
 * A prompt whose whole remainder's round fits within the median worst gap the running decode
   streams have already had is taken whole (``tolerated``, :func:`whole_reason`): that round
   lengthens no more than half of their worst stalls. The gaps are kept by :class:`StreamGaps`
-  and their median is :func:`tolerated_gap`.
+  and their median is :func:`tolerated_gap`. (A prompt two such rounds finish is cut into
+  them: :func:`~sglang_kda.policy.slices.tolerated_slice`.)
 * When the round finishes the head, nothing else waits to prefill and decode ran the round
   before, the prompt runs without the decode tokens if they would delay its first token more
   than one round's wait delays them (``finish``, :func:`finish_first`; on the CPU engine, where
@@ -88,7 +89,9 @@ def whole_reason(
     decode streams, TTFT median 1.08-1.17x stock's). Only a whole remainder: growing any slice
     to the tolerated gap sustained itself (the next round tolerates the gap the last one made;
     in the simulator at H200 TP8, Mooncake 0-600 s, pooled ITL p99 84 ms against 50 without the
-    rule and TTFT p50 0.30 s against 0.21; whole remainders only: 62 ms, 0.23 s)."""
+    rule and TTFT p50 0.30 s against 0.21; whole remainders only: 62 ms, 0.23 s). A prompt
+    that two rounds within the tolerated gap finish takes them
+    (:func:`~.slices.tolerated_slice`, capped at three round budgets)."""
     if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
         return None
     ctx = tuple(decode_ctx)

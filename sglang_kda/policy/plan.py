@@ -23,7 +23,8 @@ the finishing rules (:mod:`~sglang_kda.policy.finish`) and the deadline book
   ``tolerated``) or run without decode (``finish``): :mod:`~sglang_kda.policy.finish`.
 * **Room behind** (:func:`room_behind`): a round that finishes its head (a waiting one, or the
   in-flight one) leaves its spare to the prefills behind it, as far as that saves one of them a
-  round (:func:`useful_extra`).
+  round (:func:`useful_extra`); a waiting head's round with decode holds up to the gap the
+  decode streams already tolerate for them (at most three round budgets).
 * **Pacing** (``pace`` / ``burst``, opt-in with ``pace_every`` = N): when even the smallest
   slice (one grid step) makes the round overshoot its budget, a lone prefill with slack to spare
   does not take a slice every round. Decode runs alone (``pace``) until N - 1 rounds have passed
@@ -65,6 +66,7 @@ from sglang_kda.policy.deadlines import DeadlineBook, first_in_order, slack
 from sglang_kda.policy.finish import finish_first, tolerated_gap, whole_reason, whole_within_step
 from sglang_kda.policy.grid import first_step, longest_fit
 from sglang_kda.policy.slices import (
+    SHORT_PROMPT_ROUNDS,
     alone_time,
     burst_slice,
     finish_time,
@@ -74,10 +76,16 @@ from sglang_kda.policy.slices import (
     needed_slice,
     paced_finish_time,
     progress_floor,
+    tolerated_slice,
     rounds_needed,
     slice_end,
     slice_pricer,
 )
+
+
+# The modes of a round that takes a waiting head whole and may give the time it leaves to the
+# prefills behind it (:func:`room_behind`).
+ROOM_MODES = ("share", "prefill_only", "drain", "tolerated")
 
 
 def plan_round(
@@ -107,12 +115,12 @@ def plan_round(
     )  # fmt: skip
     # A round that finishes a waiting head leaves its spare to those behind it; the in-flight
     # request's rounds are sized by RoundPlanner.decide (round_tokens, make_room) instead.
-    if inflight is not None or plan.rid is None or plan.mode not in ("share", "prefill_only"):
+    if inflight is not None or plan.rid is None or plan.mode not in ROOM_MODES:
         return plan
     head = next((p for p in prefills if p.rid == plan.rid), None)
     if head is None or plan.tokens < head.remaining:
         return plan
-    extra = room_behind(model, cfg, plan, prefills, head)
+    extra = room_behind(model, cfg, plan, prefills, head, tolerated_s=tolerated_s)
     return replace(plan, tokens=plan.tokens + extra) if extra else plan
 
 
@@ -157,8 +165,10 @@ def _plan_head(
     )
     queued = any(p is not head and p.remaining > cfg.max_slice for p in pending)
     share = max(share, progress_floor(model, decode_ctx, head, cfg, now, queued, budget))
-    share = whole_within_step(head, share, cfg.grid)
     behind = sum(1 for p in pending if p is not head)
+    if not behind:
+        share = max(share, tolerated_slice(model, decode_ctx, head, budget, cfg, tolerated_s, memo))
+    share = whole_within_step(head, share, cfg.grid)
     why = whole_reason(model, decode_ctx, head, share, budget, cfg, behind, tolerated_s)
     if why is not None:
         share = head.remaining
@@ -200,6 +210,7 @@ def room_behind(
     prefills: Sequence[Prefill],
     head: Prefill,
     spare: int | None = None,
+    tolerated_s: float = 0.0,
 ) -> int:
     """The tokens a round that finishes ``head`` (planned as ``plan``) gives the prefills behind
     it, beyond what ``head`` takes: of the round's spare, as much as saves one of them a round
@@ -214,14 +225,23 @@ def room_behind(
     so without this a cache hit with 230 tokens left made a round of 230 tokens for everyone.
     Found on the Mooncake trace in the simulator (issue 30): once the planner saw waiting
     prompts' cached prefixes, kda computed 0.768 of the prompt tokens (1.080x ideal) against
-    0.747 with a cold view of them, which had sized such rounds as for a cold prompt."""
+    0.747 with a cold view of them, which had sized such rounds as for a cold prompt.
+
+    ``tolerated_s``: the gap the running decode streams already tolerate (model time,
+    :func:`~.finish.tolerated_gap`). A round with decode then holds up to it for those behind,
+    at most :data:`~.slices.SHORT_PROMPT_ROUNDS` round budgets (a round a prompt taken whole
+    may make anyway): at saturation arrivals come in clusters (a decode round finishes several
+    streams), and each queued prompt a round leaves out waits a round's fixed cost and a decode
+    round more for its first token, where stock SGLang batches them all (issue 39,
+    bench_serving random-ids at concurrency 32: kda's TTFT median 1.09-1.13x stock's, one
+    prompt a round once the opening burst was over)."""
     behind = [p for p in prefills if p.remaining > 0 and p is not head]
     if not behind:
         return 0
     # the model time the round holds for prefill: its budget when decode rides along,
     # ``max_round_s`` (in the model's time) when the round has no decode, else unbounded
     if plan.mode != "prefill_only":
-        room = plan.budget_s
+        room = max(plan.budget_s, min(tolerated_s, SHORT_PROMPT_ROUNDS * plan.budget_s))
     else:
         room = cfg.max_round_s / cfg.slow if cfg.max_round_s > 0 else math.inf
     if spare is None:

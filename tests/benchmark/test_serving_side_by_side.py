@@ -40,3 +40,17 @@ def test_with_gaps_from_the_per_request_itls(sbs):
 def test_with_gaps_without_details_is_empty(sbs):
     got = sbs.with_gaps({"p99_itl_ms": 3.0})
     assert all(got[k] is None for k in GAP_KEYS)
+
+
+def test_a_variant_is_a_policy_with_its_own_flags_and_environment(sbs):
+    label, (policy, flags, env) = sbs.parse_variant(
+        "ck=kda:--kda-checkpoint-every 512 SGLANG_KDA_STEP_TRACE=/tmp/t.jsonl --kda-twins=off"
+    )
+    assert (label, policy) == ("ck", "kda")
+    assert flags == ["--kda-checkpoint-every", "512", "--kda-twins=off"]
+    assert env == {"SGLANG_KDA_STEP_TRACE": "/tmp/t.jsonl"}
+    assert sbs.parse_variant("s=stock:")[1] == ("stock", [], {})
+    with pytest.raises(SystemExit, match="--variant"):
+        sbs.parse_variant("nopolicy")
+    with pytest.raises(SystemExit, match="--variant"):
+        sbs.parse_variant("x=vllm:--foo")

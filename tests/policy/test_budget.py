@@ -14,6 +14,7 @@ from sglang_kda.policy.deadlines import DeadlineBook, deadline_of, slack
 from sglang_kda.policy.finish import FINISH_STRETCH
 from sglang_kda.policy.plan import next_since_slice, plan_round
 from sglang_kda.policy.slices import (
+    SHORT_PROMPT_ROUNDS,
     burst_slice,
     finish_time,
     fit_slice,
@@ -1057,3 +1058,25 @@ def test_a_prompt_a_few_rounds_finish_may_be_slowed_little_a_long_one_fully():
     tight = progress_floor(MODEL, ctx, p, cfg, budget=budget)
     flag_only = progress_floor(MODEL, ctx, replace(p, alone_s=None), cfg, budget=budget)
     assert tight > flag_only and tight % 64 == 0
+
+
+def test_a_round_finishing_its_head_gives_those_queued_behind_the_gap_the_streams_tolerate():
+    """Issue 39, room_behind with ``tolerated_s``: at saturation prompts arrive in clusters
+    (a decode round finishes several streams); each queued prompt taken a round later waits for
+    that round's fixed cost and a decode round. A round that finishes its head gives the queue
+    the time up to the gap the running streams already tolerate, at most three round budgets
+    (what a prompt taken whole may make them wait anyway); with no such gap, the budget."""
+    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
+    decode = (1200,) * 8
+    budget = round_budget(CPU_TINY, decode, cfg)
+    queue = [Prefill(f"q{i}", deadline=1e9, done=0, total=400) for i in range(3)]
+    alone = plan_round(CPU_TINY, cfg, 0.0, decode, queue)
+    assert (alone.rid, alone.tokens) == ("q0", 400)
+    assert alone.budget_s - alone.predicted_s < CPU_TINY.predict(BatchShape((), (Slice(0, 64),)))
+    wide = plan_round(CPU_TINY, cfg, 0.0, decode, queue, tolerated_s=SHORT_PROMPT_ROUNDS * budget)
+    assert (wide.rid, wide.tokens) == ("q0", 1200)  # the whole queue in one round
+    # the cap: a longer tolerated gap gives no more than three budgets
+    longer = [Prefill(f"l{i}", deadline=1e9, done=0, total=1000) for i in range(4)]
+    three = plan_round(CPU_TINY, cfg, 0.0, decode, longer, tolerated_s=SHORT_PROMPT_ROUNDS * budget)
+    assert plan_round(CPU_TINY, cfg, 0.0, decode, longer, tolerated_s=10.0).tokens == three.tokens
+    assert three.tokens < 4000

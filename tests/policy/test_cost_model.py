@@ -198,6 +198,23 @@ def test_slow_factor_prices_recent_steps_with_the_current_model():
     assert f.slow_factor() == pytest.approx(1.0, abs=0.15)
 
 
+def test_slow_factor_is_read_again_only_after_a_slice_step_or_a_new_model():
+    """The planner reads the factor every round (a quantile over 32 steps: ~70 us on the CPU
+    server); it is kept until a slice step comes in or a refit brings a new model."""
+    f = OnlineFit(TRUE, refit_every=1 << 30)
+    sliced = BatchShape((500,), (Slice(1000, 128),))
+    for _ in range(6):
+        f.observe(sliced, 1.3 * TRUE.predict(sliced))
+    first = f.slow_factor()
+    memo = f._ratio_memo
+    f.observe(BatchShape((500, 600), ()), 0.5)  # decode only: nothing new to read
+    assert f.slow_factor() == first and f._ratio_memo is memo
+    f.observe(sliced, 1.9 * TRUE.predict(sliced))
+    assert f.slow_factor() == pytest.approx(1.9, rel=0.05) and f._ratio_memo is not memo
+    f.model = CostModel(kda_layers=3, mla_layers=1)  # as a refit replaces it
+    assert f.slow_factor() == 2.0  # the prior prices these steps far under
+
+
 def test_unseen_feature_keeps_its_prior():
     """Prefill-only steps with no KDA-step variation aside, a feature never seen keeps its
     prior: decode-only steps say nothing about serial KDA chunk steps of slices."""

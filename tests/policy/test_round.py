@@ -357,15 +357,16 @@ def test_stream_gaps_keep_each_streams_worst_gap_and_forget_finished_ones():
 
 def test_a_prompt_whose_whole_round_the_streams_already_tolerate_is_taken_whole():
     """``tolerated`` (issue 39): where the running streams' median worst gap already covers the
-    prompt's whole remaining round, it is taken whole; a gap short of that leaves the cut as it
-    was (growing a slice part way sustained itself); with streams that had no gap yet it is cut
+    prompt's whole remaining round, it is taken whole; where it covers half of it, the prompt
+    takes two even rounds within that gap and three budgets (``tolerated_slice``); a gap that
+    would need more rounds leaves the budget's cut; with streams that had no gap yet it is cut
     to the round budget as before."""
     cfg = BudgetConfig(grid=GRID, max_slice=4096, ttft_deadline_s=100.0, max_slowdown=0)
     decode = [1100] * 8
 
-    def decide(worst):
+    def decide(worst, n=4000):
         planner = RoundPlanner(cfg)
-        planner.book.admit(MODEL, "p", 0.0, 4000)
+        planner.book.admit(MODEL, "p", 0.0, n)
         return planner.decide(MODEL, 0.0, decode, [("p", 0)], None, decode_worst=worst)
 
     cut = decide([0.0] * 8)
@@ -373,7 +374,16 @@ def test_a_prompt_whose_whole_round_the_streams_already_tolerate_is_taken_whole(
     whole = MODEL.predict(BatchShape(tuple(decode), (Slice(0, 4000),)))
     wide = decide([whole * 1.01] * 8)
     assert (wide.plan.mode, wide.plan.tokens) == ("tolerated", 4000)
-    part = decide([whole * 0.6] * 8)
-    assert (part.plan.mode, part.plan.tokens) == ("share", cut.plan.tokens)
+    budget = cut.plan.budget_s
+    half = MODEL.predict(BatchShape(tuple(decode), (Slice(0, 2048),)))
+    assert half < 3 * budget  # the two rounds are within the cap
+    part = decide([half * 1.01] * 8)
+    assert (part.plan.mode, part.plan.tokens) == ("share", 2048)  # 4,000 in two rounds
+    assert decide([whole * 0.3] * 8).plan.tokens == cut.plan.tokens  # four rounds: the cut
+    # 7,000 tokens: two rounds within the gap would each be past three budgets: the cut
+    long_whole = MODEL.predict(BatchShape(tuple(decode), (Slice(0, 7000),)))
+    long_half = MODEL.predict(BatchShape(tuple(decode), (Slice(0, 3520),)))
+    assert long_half > 3 * budget
+    assert decide([long_whole * 0.6] * 8, 7000).plan.tokens == decide([0.0] * 8, 7000).plan.tokens
     # most streams without a gap yet: the median is 0, the cut as before
     assert decide([whole * 1.01] * 3 + [0.0] * 5).plan.mode == "share"
