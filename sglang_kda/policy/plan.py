@@ -228,22 +228,47 @@ def room_behind(
     0.747 with a cold view of them, which had sized such rounds as for a cold prompt.
 
     ``tolerated_s``: the gap the running decode streams already tolerate (model time,
-    :func:`~.finish.tolerated_gap`). A round with decode then holds up to it for those behind,
-    at most :data:`~.slices.SHORT_PROMPT_ROUNDS` round budgets (a round a prompt taken whole
-    may make anyway): at saturation arrivals come in clusters (a decode round finishes several
-    streams), and each queued prompt a round leaves out waits a round's fixed cost and a decode
-    round more for its first token, where stock SGLang batches them all (issue 39,
-    bench_serving random-ids at concurrency 32: kda's TTFT median 1.09-1.13x stock's, one
-    prompt a round once the opening burst was over)."""
+    :func:`~.finish.tolerated_gap`). A round with decode then holds up to it for the prompts
+    behind that it takes whole (in admission order, up to the first that does not fit), at most
+    :data:`~.slices.SHORT_PROMPT_ROUNDS` round budgets (a round a prompt taken whole may make
+    anyway): at saturation arrivals come in clusters (a decode round finishes several streams),
+    and each queued prompt a round leaves out waits a round's fixed cost and a decode round more
+    for its first token, where stock SGLang batches them all (issue 39, bench_serving random-ids
+    at concurrency 32: kda's TTFT median 1.09-1.13x stock's, one prompt a round once the
+    opening burst was over). Whole prompts only: a long prompt cut there becomes the in-flight
+    request, which then takes every round ahead of the shorter prompts queued with it (the
+    Mooncake trace's burst of six 2,600-15,000-token prompts on the CPU server: a first build
+    that cut one there finished two 3,000-token prompts of the burst after the 15,000-token
+    one, TTFT p99 7.1 s against 5.4 s)."""
     behind = [p for p in prefills if p.remaining > 0 and p is not head]
     if not behind:
         return 0
     # the model time the round holds for prefill: its budget when decode rides along,
     # ``max_round_s`` (in the model's time) when the round has no decode, else unbounded
     if plan.mode != "prefill_only":
-        room = max(plan.budget_s, min(tolerated_s, SHORT_PROMPT_ROUNDS * plan.budget_s))
+        room = plan.budget_s
+        wide = min(tolerated_s, SHORT_PROMPT_ROUNDS * plan.budget_s)
     else:
         room = cfg.max_round_s / cfg.slow if cfg.max_round_s > 0 else math.inf
+        wide = 0.0
+    extra = 0
+    if plan.mode in ("share", "prefill_only"):
+        extra = _room_for(model, cfg, plan, behind, room, spare, whole_only=False)
+    if wide > room:  # whole prompts only: a cut one would become the in-flight request
+        extra = max(extra, _room_for(model, cfg, plan, behind, wide, spare, whole_only=True))
+    return extra
+
+
+def _room_for(
+    model: CostModel,
+    cfg: BudgetConfig,
+    plan: Plan,
+    behind: Sequence[Prefill],
+    room: float,
+    spare: int | None,
+    whole_only: bool,
+) -> int:
+    """:func:`room_behind` for a round that holds ``room`` (model time) for prefill."""
     if spare is None:
         left = room - plan.predicted_s
         if left <= 0:
@@ -258,7 +283,7 @@ def room_behind(
                 # 1.11-1.60x stock's against 0.85-0.96x without)
                 return 0
         spare = min(spare, max(plan.tokens, cfg.max_slice) - plan.tokens)
-    return useful_extra(model, cfg, spare, behind, room)
+    return useful_extra(model, cfg, spare, behind, room, whole_only)
 
 
 def useful_extra(
@@ -267,6 +292,7 @@ def useful_extra(
     extra: int,
     behind: Sequence[Prefill],
     round_s: float,
+    whole_only: bool = False,
 ) -> int:
     """How much of ``extra`` spare tokens in a round that finishes its head is worth giving to the
     prompts ``behind`` it (in the order SGLang admits them): the tokens up to the last prompt that
@@ -276,7 +302,8 @@ def useful_extra(
     save no round only lengthen this round, delaying the head's first token and the decode
     tokens riding along (issue 30, bench_serving's shared-prefix run: a cold 2,040-token prompt
     took 256 tokens beside another prompt's last 430 and still needed four rounds of 512 after
-    it; that round ran 55 ms instead of ~35 ms)."""
+    it; that round ran 55 ms instead of ~35 ms). ``whole_only``: only prompts taken whole,
+    up to the first that is not."""
     useful, used = 0, 0
     for p in behind:
         avail = extra - used
@@ -286,6 +313,8 @@ def useful_extra(
             used += p.remaining
             useful = used
             continue
+        if whole_only:
+            break
         take = slice_end(p.done, avail, p.remaining, cfg.grid) - p.done
         if take <= 0:
             break

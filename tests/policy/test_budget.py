@@ -1079,4 +1079,9 @@ def test_a_round_finishing_its_head_gives_those_queued_behind_the_gap_the_stream
     longer = [Prefill(f"l{i}", deadline=1e9, done=0, total=1000) for i in range(4)]
     three = plan_round(CPU_TINY, cfg, 0.0, decode, longer, tolerated_s=SHORT_PROMPT_ROUNDS * budget)
     assert plan_round(CPU_TINY, cfg, 0.0, decode, longer, tolerated_s=10.0).tokens == three.tokens
-    assert three.tokens < 4000
+    assert three.tokens < 4000 and three.tokens % 1000 == 0  # whole prompts only
+    # a long prompt next in line is not cut there (it would become the in-flight request and
+    # take every round ahead of the short one behind it)
+    mixed = [queue[0], Prefill("long", deadline=1e9, done=0, total=6000), queue[1]]
+    wait = plan_round(CPU_TINY, cfg, 0.0, decode, mixed, tolerated_s=SHORT_PROMPT_ROUNDS * budget)
+    assert (wait.rid, wait.tokens) == ("q0", 400)
