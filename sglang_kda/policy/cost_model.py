@@ -353,9 +353,8 @@ class OnlineFit:
     loaded: bool = False
     resets: int = 0
     rejected: int = 0
-    # slice steps seen so far, and the last quantile read (:meth:`slice_ratio`): the planner
-    # reads it every round, the steps and the model change only when a slice step comes in
-    n_slice_steps: int = 0
+    # the last quantile read (:meth:`slice_ratio`) as (model, q, value): the planner reads it
+    # every round; a slice step clears it, a refit brings a new model
     _ratio_memo: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def observe(self, shape: BatchShape, seconds: float) -> float:
@@ -370,7 +369,7 @@ class OnlineFit:
         x = self.model.features(shape)
         if shape.slices:
             self.slice_steps.append((x, float(seconds)))
-            self.n_slice_steps += 1
+            self._ratio_memo = ()
             if len(self.slice_steps) > self.ratio_window:
                 del self.slice_steps[0]
         self.samples_x.append(x)
@@ -400,6 +399,7 @@ class OnlineFit:
             return False
         self.model = replace(self.model, coef=Coefficients())
         self.slice_steps.clear()
+        self._ratio_memo = ()
         self.error_ema = None
         self.resets += 1
         self.refit()
@@ -491,14 +491,13 @@ class OnlineFit:
     def slice_ratio(self, q: float) -> float:
         """The ``q`` quantile of measured / predicted (current model) over the slice steps
         (computed again only after a slice step or a new model)."""
-        key = (self.model, self.n_slice_steps, len(self.slice_steps), q)
         memo = self._ratio_memo
-        if memo and memo[0] is key[0] and memo[1:-1] == key[1:]:
-            return memo[-1]
+        if memo and memo[0] is self.model and memo[1] == q:
+            return memo[2]
         coef = self.model.coef.as_vector()
         ratios = [y / max(float(x @ coef), 1e-9) for x, y in self.slice_steps]
         value = float(np.quantile(ratios, q))
-        self._ratio_memo = (*key, value)
+        self._ratio_memo = (self.model, q, value)
         return value
 
     @property

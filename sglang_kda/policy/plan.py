@@ -66,7 +66,6 @@ from sglang_kda.policy.deadlines import DeadlineBook, first_in_order, slack
 from sglang_kda.policy.finish import finish_first, tolerated_gap, whole_reason, whole_within_step
 from sglang_kda.policy.grid import first_step, longest_fit
 from sglang_kda.policy.slices import (
-    SHORT_PROMPT_ROUNDS,
     alone_time,
     burst_slice,
     finish_time,
@@ -76,10 +75,11 @@ from sglang_kda.policy.slices import (
     needed_slice,
     paced_finish_time,
     progress_floor,
-    tolerated_slice,
     rounds_needed,
     slice_end,
     slice_pricer,
+    tolerated_room,
+    tolerated_slice,
 )
 
 
@@ -247,7 +247,7 @@ def room_behind(
     # ``max_round_s`` (in the model's time) when the round has no decode, else unbounded
     if plan.mode != "prefill_only":
         room = plan.budget_s
-        wide = min(tolerated_s, SHORT_PROMPT_ROUNDS * plan.budget_s)
+        wide = tolerated_room(tolerated_s, plan.budget_s)
     else:
         room = cfg.max_round_s / cfg.slow if cfg.max_round_s > 0 else math.inf
         wide = 0.0

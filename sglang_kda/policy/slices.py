@@ -150,6 +150,14 @@ def prompt_slowdown(cfg: BudgetConfig, p: Prefill, budget_s: float) -> float:
     return min(full, 1.0 + max(SHORT_PROMPT_SLACK, (full - 1.0) * bulk / p.alone_s))
 
 
+def tolerated_room(tolerated_s: float, budget_s: float) -> float:
+    """The round a tolerated gap allows: ``tolerated_s`` (the decode streams' median worst gap,
+    model time), at most :data:`SHORT_PROMPT_ROUNDS` round budgets (a round a prompt taken
+    whole may make anyway; the cap bounds what the rounds it allows make the streams tolerate
+    next)."""
+    return min(tolerated_s, SHORT_PROMPT_ROUNDS * budget_s)
+
+
 # A prompt the tolerated gap finishes in at most this many rounds takes them
 # (:func:`tolerated_slice`); a longer one keeps the round budget's slices.
 TOLERATED_ROUNDS = 2
@@ -181,7 +189,7 @@ def tolerated_slice(
     prompt's slices at the budget (a 32k prompt beside decode streams whose worst gap is long)."""
     if not decode_ctx or tolerated_s <= budget_s or p.remaining <= 0:
         return 0
-    room = min(tolerated_s, SHORT_PROMPT_ROUNDS * budget_s)
+    room = tolerated_room(tolerated_s, budget_s)
     s = fit_slice(model, decode_ctx, p.done, p.remaining, room, cfg.grid, cfg.max_slice, memo)
     if s >= p.remaining:
         return s
