@@ -1085,3 +1085,35 @@ def test_a_round_finishing_its_head_gives_those_queued_behind_the_gap_the_stream
     mixed = [queue[0], Prefill("long", deadline=1e9, done=0, total=6000), queue[1]]
     wait = plan_round(CPU_TINY, cfg, 0.0, decode, mixed, tolerated_s=SHORT_PROMPT_ROUNDS * budget)
     assert (wait.rid, wait.tokens) == ("q0", 400)
+
+
+def test_the_progress_floor_holds_the_slices_own_tokens_to_the_slowdown():
+    """Issue 39: the local floor compares a slice beside decode with the same tokens alone (their
+    work and their share of a full round's fixed costs), so at slowdown ``s`` the slice's round
+    costs at most ``s`` x that. Compared with a whole ``max_slice`` round alone (whose tokens sit
+    at a later, dearer context), a 256-token slice passed for 1/1.05 of the rate alone on the
+    CPU cost model while its fixed costs doubled its time."""
+    from sglang_kda.policy.slices import _local_floor
+
+    model = CostModel(
+        Coefficients(
+            overhead=0.0044, per_token=4.1e-5, per_attn_unit=1.8e-8, per_decode_ctx=3.4e-7,
+            per_prefill_round=0.0064, per_decode_seq=3.5e-4, per_slice=7e-4,
+        ),
+        kda_layers=3,
+        mla_layers=1,
+    )  # fmt: skip
+    cfg = BudgetConfig(grid=64, max_slice=8192)
+    ctx = (3000,) * 5
+    for done in (640, 4000, 8000):
+        p = Prefill("p", 100.0, done, 15_079)
+        for s in (1.05, 1.25, 1.75):
+            n = _local_floor(model, ctx, p, cfg, s)
+            cap = min(p.remaining, cfg.max_slice)
+            work = model.prefill_work(done, done + n)
+            beside = work + model.slice_round(ctx)
+            assert beside <= s * (work + model.slice_round(()) * n / cap) + 1e-12
+            if n - 64 >= 64:  # the smallest on the grid that does
+                w = model.prefill_work(done, done + n - 64)
+                assert w + model.slice_round(ctx) > s * (w + model.slice_round(()) * (n - 64) / cap)
+        assert _local_floor(model, ctx, p, cfg, 1.05) > _local_floor(model, ctx, p, cfg, 1.25)

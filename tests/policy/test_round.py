@@ -387,3 +387,62 @@ def test_a_prompt_whose_whole_round_the_streams_already_tolerate_is_taken_whole(
     assert decide([long_whole * 0.6] * 8, 7000).plan.tokens == decide([0.0] * 8, 7000).plan.tokens
     # most streams without a gap yet: the median is 0, the cut as before
     assert decide([whole * 1.01] * 3 + [0.0] * 5).plan.mode == "share"
+
+
+def _burst_planner(cfg, long_total, long_done, queued):
+    planner = RoundPlanner(cfg)
+    planner.book.admit(CPU_LIKE, "long", 0.0, long_total, done=long_done)
+    for rid, total in queued:
+        planner.book.admit(CPU_LIKE, rid, 0.0, total)
+    return planner
+
+
+# Fixed costs per round as large as the CPU server's (overhead, extend path, slice) and a token
+# price that makes a few thousand tokens cost seconds' tenths, as on the tiny model.
+CPU_LIKE = CostModel(
+    Coefficients(
+        overhead=0.0044, per_token=4.1e-5, per_attn_unit=1.8e-8, per_decode_ctx=3.4e-7,
+        per_prefill_round=0.0064, per_decode_seq=3.5e-4, per_slice=7e-4,
+    ),
+    kda_layers=3,
+    mla_layers=1,
+)  # fmt: skip
+
+
+def test_the_in_flight_slice_is_cut_back_only_for_prompts_that_then_enter_beside_it():
+    """Issue 39: a waiting prompt shorter than what the in-flight one has left, but whose prefill
+    alone is past the round's time, does not enter beside it; the in-flight slice is then not cut
+    back for it either (before: a 10,284-token prompt in flight went in 192-token rounds of
+    28-49 ms for a 3,256-token one behind it that never entered; Mooncake light burst)."""
+    cfg = BudgetConfig(grid=GRID, max_slice=8192, max_slowdown=0)
+    decode = [3000] * 4
+    alone = _burst_planner(cfg, 10_284, 1024, [])
+    a = alone.decide(CPU_LIKE, 0.0, decode, [("long", 1024)], inflight="long")
+    queued = _burst_planner(cfg, 10_284, 1024, [("mid", 3256)])
+    q = queued.decide(CPU_LIKE, 0.0, decode, [("long", 1024), ("mid", 0)], inflight="long")
+    assert q.plan.mode == a.plan.mode == "share"
+    assert q.keep == a.keep == q.chunk_budget  # the same slice, and no room for "mid"
+    # a short one (alone within the round's budget) still gets its room, charged to the slice
+    queued.book.admit(CPU_LIKE, "short", 0.0, 64)
+    queue = [("long", 1024), ("mid", 0), ("short", 0)]
+    s = queued.decide(CPU_LIKE, 0.0, decode, queue, inflight="long")
+    assert s.keep <= a.keep and s.chunk_budget == s.keep + 64
+
+
+def test_the_round_finishing_the_in_flight_prompt_cuts_the_next_within_its_time():
+    """The round that finishes the in-flight prompt gives a prompt cut behind it only the time
+    the round has left, not the chunk's tokens (before: 7,680 tokens of a 15,079-token prompt,
+    a 916 ms round against a 50 ms budget)."""
+    cfg = BudgetConfig(grid=GRID, max_slice=8192, max_slowdown=0)
+    decode = [1000] * 2
+    planner = _burst_planner(cfg, 3256, 3000, [("next", 15_079)])
+    dec = planner.decide(CPU_LIKE, 0.0, decode, [("long", 3000), ("next", 0)], inflight="long")
+    assert dec.plan.mode == "share" and dec.keep == 256  # the in-flight remainder
+    extra = dec.chunk_budget - 256
+    assert extra < 1024  # before: 7,936 (the chunk's tokens, a round of ~0.4 s)
+    cut = BatchShape(tuple(decode), (Slice(3000, 256), Slice(0, extra)))
+    assert extra == 0 or CPU_LIKE.predict(cut) <= dec.plan.budget_s * 1.05
+    # a prompt taken whole whose round alone fits the budget still comes along
+    planner = _burst_planner(cfg, 3256, 3000, [("hit", 128)])
+    dec = planner.decide(CPU_LIKE, 0.0, decode, [("long", 3000), ("hit", 0)], inflight="long")
+    assert dec.chunk_budget == 256 + 128
