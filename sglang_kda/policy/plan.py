@@ -546,7 +546,7 @@ class RoundPlanner:
         if long is not None:  # the in-flight prompt and the requests that enter beside it
             if decode_ctx and keep is not None:
                 # one list for both: the slice is cut back only for prompts that then enter
-                shorts = enter_beside(model, plan, long, pending, tolerated)
+                shorts = enter_beside(model, cfg, plan, long, pending, tolerated)
                 if plan.mode == "share":
                     keep = cap = _slice_beside_shorts(
                         model, cfg, now, decode_ctx, long, shorts, chunk, keep
@@ -587,8 +587,18 @@ class RoundPlanner:
             self.slice_overshoot = seconds > plan.budget_s * self.slow
 
 
+# A waiting prompt whose prefill alone is at most 1/this of what the in-flight prompt has left
+# alone may enter beside it in a round up to ``max_round_s`` (:func:`enter_beside`).
+TAKEOVER_RATIO = 4.0
+
+
 def enter_beside(
-    model, plan: Plan, long: Prefill, pending: Sequence[Prefill], tolerated: float
+    model,
+    cfg: BudgetConfig,
+    plan: Plan,
+    long: Prefill,
+    pending: Sequence[Prefill],
+    tolerated: float,
 ) -> list[Prefill]:
     """The waiting requests short enough to enter beside the in-flight prompt ``long`` while it
     continues beside decode, in the scheduler's order: shorter than what it has left, and whose
@@ -604,16 +614,33 @@ def enter_beside(
     ``make_room`` would admit while the chunk let in only the short ones: on the Mooncake light
     slice's burst (eight prompts, 114-15,079 tokens) a 10,284-token prompt in flight was cut to
     192-token rounds of 28-49 ms for a 3,256-token prompt that never entered beside it, and the
-    burst's last first token came 1.38x later than stock SGLang's (simulator, CPU cost model)."""
+    burst's last first token came 1.38x later than stock SGLang's (simulator, CPU cost model).
+
+    A prompt much shorter than the in-flight one (its prefill alone at most 1 /
+    :data:`TAKEOVER_RATIO` of what the in-flight prompt has left alone) enters too, as long as the
+    prompts entering this way fit one ``max_round_s`` round alone (a round ``drain`` may make with
+    decode riding along anyway): otherwise it waits for the whole in-flight prompt, which cannot
+    be parked. Issue 39, the Mooncake light slice on the CPU server: a 2,182-token prompt of a
+    burst waited 5.9 s behind a 15,079-token one in flight (stock SGLang, first come first
+    served, had it first: 1.5 s). The in-flight prompt keeps its progress floor each round
+    (:func:`_slice_beside_shorts`), and its deadline closes the door (``alone`` rounds leave no
+    room beside it)."""
     allowance = max(plan.budget_s, tolerated)
     price = slice_pricer(model)
-    return [
-        p
-        for p in pending
-        if p is not long
-        and 0 < p.remaining < long.remaining
-        and price((), p.done, p.remaining) <= allowance
-    ]
+    takeover = 0.0
+    if cfg.max_round_s > 0:
+        takeover = min(cfg.max_round_s / cfg.slow, alone_time(model, long, cfg) / TAKEOVER_RATIO)
+    out, used = [], 0.0
+    for p in pending:
+        if p is long or not 0 < p.remaining < long.remaining:
+            continue
+        t = price((), p.done, p.remaining)
+        if t <= allowance:
+            out.append(p)
+        elif used + t <= takeover:
+            used += t
+            out.append(p)
+    return out
 
 
 def _slice_beside_shorts(

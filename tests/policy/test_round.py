@@ -3,6 +3,8 @@ share; the serial budget's plan becomes SGLang's per-round inputs; the planner k
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -446,3 +448,31 @@ def test_the_round_finishing_the_in_flight_prompt_cuts_the_next_within_its_time(
     planner = _burst_planner(cfg, 3256, 3000, [("hit", 128)])
     dec = planner.decide(CPU_LIKE, 0.0, decode, [("long", 3000), ("hit", 0)], inflight="long")
     assert dec.chunk_budget == 256 + 128
+
+
+def test_a_prompt_much_shorter_than_the_in_flight_one_enters_beside_it_within_one_long_round():
+    """Issue 39, the Mooncake light slice on the CPU server: a 2,182-token prompt of a burst
+    waited 5.9 s behind a 15,079-token one in flight (stock SGLang had it first: 1.5 s). A prompt
+    whose prefill alone is at most 1/4 of what the in-flight one has left enters beside it, those
+    entering this way within one ``max_round_s`` round; the in-flight slice shrinks for it."""
+    from sglang_kda.policy.plan import TAKEOVER_RATIO, enter_beside
+    from sglang_kda.policy.slices import alone_time
+
+    cfg = BudgetConfig(grid=GRID, max_slice=8192, max_round_s=0.5)
+    decode = [3000] * 4
+    planner = _burst_planner(cfg, 15_079, 640, [("mid", 2182), ("big", 10_284)])
+    queue = [("long", 640), ("mid", 0), ("big", 0)]
+    dec = planner.decide(CPU_LIKE, 0.0, decode, queue, inflight="long")
+    assert dec.plan.mode == "share"
+    assert dec.chunk_budget == dec.keep + 2240  # "mid" whole (grid pages), "big" waits
+    assert dec.keep < dec.plan.tokens
+    long, mid = planner.book.live["long"], planner.book.live["mid"]
+    assert alone_time(CPU_LIKE, mid, cfg) * TAKEOVER_RATIO <= alone_time(CPU_LIKE, long, cfg)
+    # without the long round (no max_round_s) it waits, as before
+    off = replace(cfg, max_round_s=0.0)
+    got = enter_beside(CPU_LIKE, off, dec.plan, long, [long, mid], 0.0)
+    assert got == []
+    # nor does it take over a prompt that has not much more left than it
+    near = _burst_planner(cfg, 4000, 1024, [("mid", 2182)])
+    dec = near.decide(CPU_LIKE, 0.0, decode, [("long", 1024), ("mid", 0)], inflight="long")
+    assert dec.chunk_budget == dec.keep
