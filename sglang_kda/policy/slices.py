@@ -114,9 +114,13 @@ def lone_slice(model: CostModel, p: Prefill, now: float, cfg: BudgetConfig) -> i
 
 
 # The progress floor for a prompt behind its pace, which has already lost its allowance to
-# waiting, and for a head with prompts queued behind it (:func:`progress_floor`): 1/1.25 of its
-# local rate alone.
-CATCH_UP_SLOWDOWN = 1.25
+# waiting, and for a head with prompts queued behind it (:func:`progress_floor`): 1/1.1 of its
+# local rate alone. 1.25 until the floor compared a slice with the same tokens alone (issue 39):
+# it had bound at about 1.3-1.4x in fact. Simulator, CPU cost model, four 60 s windows of the
+# conversation trace at the light scaling, kda / stock with 1.25 -> 1.1: TTFT p50
+# 1.02/0.88/0.99/0.77 -> 0.79/0.95/0.95/0.78, p99 0.71/1.11/0.92/0.90 -> 0.66/1.02/0.87/0.94,
+# end-to-end p99 1.03/1.04/1.01/1.02 -> 1.02/1.02/1.00/1.03, worst gap p90 0.17-0.34x stock's.
+CATCH_UP_SLOWDOWN = 1.1
 
 # A prompt's slowdown allowance (:func:`prompt_slowdown`): ``max_slowdown`` applies only to the
 # part of its time alone beyond this many round budgets; a prompt within them may be slowed by
