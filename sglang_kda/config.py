@@ -309,7 +309,7 @@ class KDAConfig:
         "alone (a slow spell, a fixed cost per round near the budget), and decode pays the "
         "difference; a prefill ahead of the "
         "pace keeps the round budget. A prefill behind that pace (it queued behind others), or "
-        "with prompts queued behind it that need rounds of their own, keeps 1/1.25 of its rate "
+        "with prompts queued behind it that need rounds of their own, keeps 1/1.1 of its rate "
         "alone (or 1/N where N is smaller). `0` = the round budget alone decides.",
     )
     max_round_ms: float = flag(
