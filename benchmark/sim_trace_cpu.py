@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from sglang_kda import cost_store
 from sglang_kda.config import KDAConfig
 from sglang_kda.numbers import GAP_KEYS, percentile
 from sglang_kda.sim import mooncake as mc
+from sglang_kda.sim.__main__ import timing_from
 from sglang_kda.sim.config import SimConfig
 from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
@@ -103,12 +103,10 @@ def main(argv=None) -> int:
         print(f"no Mooncake trace at {args.trace}", file=sys.stderr)
         return 2
     model = cost_store.load(args.model)
-    meta = json.loads(Path(args.model).read_text())
-    timing = dict(
-        ingress_s=meta["per_request_fixed_s"],
-        idle_wake_s=meta["idle_wake_s"],
-        ingress_gap_s=meta["ingress_gap_s"],
-    )
+    # the calibration's per-request timings, without its round-time spread: every simulated
+    # round takes the model's prediction, so two policies differ by their decisions alone
+    timing = timing_from(f"cpu:{args.model}")
+    timing.pop("round_jitter", None)
     rows = []
     for ts in (float(x) for x in args.time_scales.split(",")):
         for start in (float(x) for x in args.windows.split(",")):

@@ -289,9 +289,11 @@ def _room_for(
         return n if price((), 0, n) <= time_s else 0
 
     if spare is not None:
-        cut = useful_extra(model, cfg, min(spare, cold_fit(room - plan.predicted_s)), behind, room)
         whole = useful_extra(model, cfg, min(spare, cold_fit(room)), behind, room, True)
-        return max(whole, cut) if not whole_only else whole
+        if whole_only:
+            return whole
+        cut = useful_extra(model, cfg, min(spare, cold_fit(room - plan.predicted_s)), behind, room)
+        return max(whole, cut)
     # not even one grid step fits: the head's round is not stretched for a cold slice (on the
     # CPU server's shared-prefix run, forcing one made the hits' TTFT median 1.11-1.60x stock's
     # against 0.85-0.96x without)

@@ -1095,14 +1095,7 @@ def test_the_progress_floor_holds_the_slices_own_tokens_to_the_slowdown():
     CPU cost model while its fixed costs doubled its time."""
     from sglang_kda.policy.slices import _local_floor
 
-    model = CostModel(
-        Coefficients(
-            overhead=0.0044, per_token=4.1e-5, per_attn_unit=1.8e-8, per_decode_ctx=3.4e-7,
-            per_prefill_round=0.0064, per_decode_seq=3.5e-4, per_slice=7e-4,
-        ),
-        kda_layers=3,
-        mla_layers=1,
-    )  # fmt: skip
+    model = CPU_TINY
     cfg = BudgetConfig(grid=64, max_slice=8192)
     ctx = (3000,) * 5
     for done in (640, 4000, 8000):
