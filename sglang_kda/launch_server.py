@@ -32,6 +32,14 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 CPU_MAX_TOTAL_TOKENS = 524288
 """Default KV pool cap on the CPU engine (tokens): a 64k-token prompt and then some."""
+CPU_STATE_POOL_BYTES = 256 * 2**20
+"""Default memory of the CPU engine's KDA state pool (``--max-mamba-cache-size`` is derived
+from it and the model's state size, :func:`cpu_state_slots`)."""
+CPU_STATE_SLOTS = (256, 2048)
+"""The least and the most state slots :func:`cpu_state_slots` gives."""
+CPU_RUNNING_FROM_SLOTS = 256
+"""The pool whose request cap SGLang's ratio gave before the pool grew (51 with
+``extra_buffer`` and overlap): kept as the default ``--max-running-requests``."""
 
 
 def default_model_dir() -> Path:
@@ -86,6 +94,37 @@ def _checkpoint_dtype(model_path: str) -> str | None:
     return cfg.get("torch_dtype") or cfg.get("dtype")
 
 
+def kda_state_bytes(model_path: str) -> int | None:
+    """Bytes of one KDA state slot of the model (all KDA layers: the float32 recurrent state,
+    heads x head_dim x head_dim, and the short-conv window at 4 bytes a value, an upper bound),
+    from its ``linear_attn_config``; None when the config does not say."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        lin = cfg["linear_attn_config"]
+        layers, heads, dim = len(lin["kda_layers"]), int(lin["num_heads"]), int(lin["head_dim"])
+        conv = int(lin.get("short_conv_kernel_size", 4)) - 1
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    per_layer = heads * dim * dim * 4 + 3 * heads * dim * conv * 4
+    return layers * per_layer if per_layer > 0 and layers > 0 else None
+
+
+def cpu_state_slots(model_path: str) -> int:
+    """The CPU engine's default ``--max-mamba-cache-size``: as many KDA states as
+    :data:`CPU_STATE_POOL_BYTES` holds, within :data:`CPU_STATE_SLOTS` (the least when the
+    model's state size is unknown). The pool holds the live requests' states and the tree's
+    checkpoints; the kda policy's grid checkpoints need one slot per 64 tokens of cached prefix,
+    stock SGLang one per cached prompt. At 256 slots (the former default) the kda server, on
+    the Mooncake trace's heavy slice, evicted the prefix states of three requests that stock
+    still held and computed 1.0085x stock's prefill tokens; at 2,048 (123 MiB for the tiny
+    model) 0.998x (issue 39)."""
+    low, high = CPU_STATE_SLOTS
+    nbytes = kda_state_bytes(model_path)
+    if not nbytes:
+        return low
+    return max(low, min(high, CPU_STATE_POOL_BYTES // nbytes))
+
+
 def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     """SGLang flags that make the CPU engine work for KDA models; user flags take precedence.
 
@@ -101,10 +140,14 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
       default of a PD server on CPU (:func:`extra_buffer_on_cpu` says why).
     * ``--dtype``: the checkpoint's own dtype, except float16 -> bfloat16 (SGLang's ``auto`` maps
       float32 checkpoints to float16, which is slow on CPUs and lossy).
-    * ``--mem-fraction-static 0.3`` and ``--max-mamba-cache-size 256``: SGLang's defaults size
-      the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots); the pools
-      themselves are capped by the state-slot count and ``--max-total-tokens`` below, so the
-      fraction only sets how much of the RAM free at start may be gone after the weights load.
+    * ``--mem-fraction-static 0.3`` and ``--max-mamba-cache-size`` (:func:`cpu_state_slots`:
+      256 MiB of KDA states, 256 to 2,048 slots; 2,048 for the tiny model): SGLang's defaults
+      size the pools for a GPU-sized fraction of host RAM (tens of thousands of state slots); the
+      pools themselves are capped by the state-slot count and ``--max-total-tokens`` below, so
+      the fraction only sets how much of the RAM free at start may be gone after the weights
+      load. With more than 256 slots, ``--max-running-requests`` defaults to what SGLang derived
+      from 256 (51 with ``extra_buffer`` and overlap, 85 with ``no_buffer``), so the larger pool
+      holds checkpoints, not more concurrent requests.
       At 0.1 a server starting beside others on a 24 GiB machine failed that check when they
       allocated ~2 GB meanwhile ("Loaded weights leave no GPU memory for the KV cache").
     * ``--hicache-io-backend direct`` with ``--enable-hierarchical-cache``: the host tier's copies
@@ -133,7 +176,16 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
     if _has_flag(argv, "--enable-hierarchical-cache"):  # CPU copies: sglang_kda.cpu.kvcacheio
         default("--hicache-io-backend", "direct")
     default("--mem-fraction-static", "0.3")
-    default("--max-mamba-cache-size", "256")
+    if not _has_flag(argv, "--max-mamba-cache-size"):
+        slots = cpu_state_slots(model_path)
+        default("--max-mamba-cache-size", str(slots))
+        if slots > CPU_RUNNING_FROM_SLOTS:
+            extra_buffer = "extra_buffer" in (
+                _flag_value(argv + extra, "--mamba-radix-cache-strategy") or ""
+            )
+            overlap = not _has_flag(argv + extra, "--disable-overlap-schedule")
+            tracking = (2 if overlap else 1) if extra_buffer else 0
+            default("--max-running-requests", str(CPU_RUNNING_FROM_SLOTS // (3 + tracking)))
     default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
     dtype = _checkpoint_dtype(model_path)
     default("--dtype", "bfloat16" if dtype in (None, "float16", "bfloat16") else "float32")

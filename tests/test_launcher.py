@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -55,6 +56,33 @@ def test_cpu_defaults_yield_to_user_flags(tiny_model_dir):
     # SGLang's torch.compile'd MoE top-k traced for ~4 s at every CPU server's first forward
     assert cpu_env([])["TORCHDYNAMO_DISABLE"] == "1"
     assert "TORCHDYNAMO_DISABLE" not in cpu_env(["--enable-torch-compile"])
+
+
+def test_cpu_state_pool_holds_checkpoints(tiny_model_dir, tmp_path):
+    """The CPU state pool is sized in bytes (issue 39: at 256 slots the kda server evicted
+    prefix states stock still held on the Mooncake trace): the tiny model's 62,976-byte states
+    get 2,048 slots, the request cap stays what SGLang derived from 256 slots, and user flags
+    win."""
+    from sglang_kda.launch_server import cpu_state_slots, kda_state_bytes
+
+    assert kda_state_bytes(str(tiny_model_dir)) == 62976  # what the server logs at start
+    extra = cpu_defaults([], str(tiny_model_dir))
+    assert extra[extra.index("--max-mamba-cache-size") + 1] == "2048"
+    assert extra[extra.index("--max-running-requests") + 1] == "51"  # 256 // (3 + 2 tracking)
+    extra = cpu_defaults(["--mamba-radix-cache-strategy", "no_buffer"], str(tiny_model_dir))
+    assert extra[extra.index("--max-running-requests") + 1] == "85"  # 256 // 3
+    extra = cpu_defaults(["--max-running-requests", "8"], str(tiny_model_dir))
+    assert "--max-running-requests" not in extra
+    extra = cpu_defaults(["--max-mamba-cache-size", "48"], str(tiny_model_dir))
+    assert "--max-mamba-cache-size" not in extra and "--max-running-requests" not in extra
+    # a model whose states are large (Kimi-Linear-48B: ~42 MB each) keeps the floor, 256
+    big = tmp_path / "big"
+    big.mkdir()
+    lin = {"kda_layers": list(range(20)), "num_heads": 32, "head_dim": 128}
+    (big / "config.json").write_text(json.dumps({"linear_attn_config": lin}))
+    assert cpu_state_slots(str(big)) == 256
+    assert "--max-running-requests" not in cpu_defaults([], str(big))
+    assert cpu_state_slots(str(tmp_path)) == 256  # no config: the floor
 
 
 def test_build_argv_on_cpu(tiny_model_dir, monkeypatch):
