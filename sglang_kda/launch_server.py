@@ -95,18 +95,17 @@ def _checkpoint_dtype(model_path: str) -> str | None:
 
 
 def kda_state_bytes(model_path: str) -> int | None:
-    """Bytes of one KDA state slot of the model (all KDA layers: the float32 recurrent state,
-    heads x head_dim x head_dim, and the short-conv window at 4 bytes a value, an upper bound),
-    from its ``linear_attn_config``; None when the config does not say."""
+    """Bytes of one KDA state slot of the model (all KDA layers: the float32 recurrent state and
+    the short-conv window, :func:`sglang_kda.policy.spacing.state_sizes`, the sizes the CUDA
+    checkpoint plan uses), from its local ``config.json``; None when it does not say."""
+    from sglang_kda.policy.spacing import state_sizes
+
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
-        lin = cfg["linear_attn_config"]
-        layers, heads, dim = len(lin["kda_layers"]), int(lin["num_heads"]), int(lin["head_dim"])
-        conv = int(lin.get("short_conv_kernel_size", 4)) - 1
+        nbytes = state_sizes(cfg).checkpoint_bytes
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    per_layer = heads * dim * dim * 4 + 3 * heads * dim * conv * 4
-    return layers * per_layer if per_layer > 0 and layers > 0 else None
+    return nbytes if nbytes > 0 else None
 
 
 def cpu_state_slots(model_path: str) -> int:
@@ -184,6 +183,8 @@ def cpu_defaults(argv: list[str], model_path: str) -> list[str]:
                 _flag_value(argv + extra, "--mamba-radix-cache-strategy") or ""
             )
             overlap = not _has_flag(argv + extra, "--disable-overlap-schedule")
+            # SGLang's own ratio (mem_cache/kv_cache_configurator.py, _calculate_mamba_ratio: a base
+            # of 3 plus get_mamba_tracking_slots); not imported here, a ~5 s import at start
             tracking = (2 if overlap else 1) if extra_buffer else 0
             default("--max-running-requests", str(CPU_RUNNING_FROM_SLOTS // (3 + tracking)))
     default("--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))

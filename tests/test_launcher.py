@@ -79,7 +79,9 @@ def test_cpu_state_pool_holds_checkpoints(tiny_model_dir, tmp_path):
     big = tmp_path / "big"
     big.mkdir()
     lin = {"kda_layers": list(range(20)), "num_heads": 32, "head_dim": 128}
-    (big / "config.json").write_text(json.dumps({"linear_attn_config": lin}))
+    cfg = {"linear_attn_config": lin, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    (big / "config.json").write_text(json.dumps(cfg))
+    assert kda_state_bytes(str(big)) > 40 * 10**6  # known, and large
     assert cpu_state_slots(str(big)) == 256
     assert "--max-running-requests" not in cpu_defaults([], str(big))
     assert cpu_state_slots(str(tmp_path)) == 256  # no config: the floor
