@@ -4,8 +4,10 @@
 Each case runs :mod:`benchmark.serving_side_by_side` (both policies, ``--repeat`` alternating
 pairs, default server flags plus whatever follows ``--``) and keeps its CSVs under ``--out``;
 ``summary.csv`` and ``summary.md`` give, per case and pair, kda / stock for TTFT median and p99,
-output throughput and the per-request worst decode gap (p50 / p90 / max), and ``summary.png``
-plots the TTFT median and p99 ratios per case. (``--dataset-name random`` needs ShareGPT from the
+output throughput and the per-request worst decode gap (p50 / p90 / max); the same TTFT median
+and throughput with the machine's speed divided out (``speed``: kda's run's decode step over
+stock's, :func:`normalised`); and ``TTFT paired``, the median of each request's own kda / stock
+TTFT (:func:`paired_ttft`). ``summary.png`` plots the TTFT median and p99 ratios per case. (``--dataset-name random`` needs ShareGPT from the
 Hugging Face hub, which this machine cannot reach; ``random-ids`` draws the same lengths.)
 
     .venv/bin/python benchmark/saturation.py --cases 16:1536:192,8:1536:192,32:512:128 \\
@@ -53,6 +55,51 @@ def ratio(kda: dict, stock: dict, key: str) -> float | None:
         return float(kda[key]) / float(stock[key])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
+
+
+# Ratios also given with the machine's speed divided out: a time scales with the run's speed
+# index (``decode_step_ms``, :func:`sglang_kda.steps.decode_step_s`), a rate inversely.
+NORMALISED = (("median_ttft_ms", "TTFT p50 norm", -1), ("output_throughput", "tok/s norm", 1))
+LABELS = (
+    *(label for _, label in RATIOS),
+    "speed",
+    *(label for _, label, _ in NORMALISED),
+    "TTFT paired",
+)
+
+
+def normalised(kda: dict, stock: dict) -> dict[str, float | None]:
+    """kda / stock for :data:`NORMALISED`, each run's figure put at the same machine speed (the
+    ratio of the two runs' decode steps, kda's over stock's, is ``speed``); None without a
+    speed index (a run with no decode step at the concurrency, or an older CSV)."""
+    speed = ratio(kda, stock, "decode_step_ms")
+    out: dict[str, float | None] = {"speed": speed}
+    for key, label, power in NORMALISED:
+        r = ratio(kda, stock, key)
+        out[label] = None if r is None or not speed else r * speed**power
+    return out
+
+
+def request_ttfts(path: Path) -> dict[str, list[float]]:
+    """Each run's per-request TTFTs (``serving_side_by_side``'s ``<out>.requests.csv``), in
+    request order."""
+    out: dict[str, list[float]] = {}
+    for r in csv.DictReader(path.open()):
+        out.setdefault(r["run"], []).append(float(r["ttft_ms"]))
+    return out
+
+
+def paired_ttft(kda: list[float] | None, stock: list[float] | None) -> float | None:
+    """The median over requests of kda's TTFT / stock's for the same request (both runs send the
+    same prompts in the same order, same seed): the ratio of medians compares two different
+    requests whenever the runs' timing reorders who waits behind whom."""
+    if not kda or not stock or len(kda) != len(stock):
+        return None
+    ratios = sorted(k / s for k, s in zip(kda, stock, strict=True) if s > 0)
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -107,12 +154,16 @@ def main() -> int:
             cmd += ["--", *args.server_args]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         rows = list(csv.DictReader(csv_path.open()))
+        per_request = csv_path.with_name(f"{csv_path.stem}.requests.csv")
+        ttfts = request_ttfts(per_request) if per_request.exists() else {}
         for k, (stock, kda) in enumerate(pairs(rows), 1):
             row = {"case": name, "pair": k}
             row.update({label: ratio(kda, stock, key) for key, label in RATIOS})
+            row.update(normalised(kda, stock))
+            row["TTFT paired"] = paired_ttft(ttfts.get(kda["policy"]), ttfts.get(stock["policy"]))
             row.update({f"stock {k_}": stock.get(k_) for k_ in ("median_ttft_ms", "gap_p90_ms")})
             summary.append(row)
-            cells = ", ".join(f"{lab} {row[lab]:.3f}" for _, lab in RATIOS if row[lab] is not None)
+            cells = ", ".join(f"{lab} {row[lab]:.3f}" for lab in LABELS if row[lab] is not None)
             print(f"   pair {k}: {cells}", flush=True)
         print(f"   done in {time.monotonic() - t0:.0f} s", flush=True)
     fields = list(summary[0])
@@ -126,13 +177,9 @@ def main() -> int:
         "Command: `benchmark/saturation.py " + " ".join(sys.argv[1:]) + "`",
         "",
         md_table(
-            ["case", "pair", *(label for _, label in RATIOS)],
+            ["case", "pair", *LABELS],
             (
-                [
-                    r["case"],
-                    r["pair"],
-                    *("" if r[lab] is None else f"{r[lab]:.3f}" for _, lab in RATIOS),
-                ]
+                [r["case"], r["pair"], *("" if r[lab] is None else f"{r[lab]:.3f}" for lab in LABELS)]
                 for r in summary
             ),
         ),

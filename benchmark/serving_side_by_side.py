@@ -34,6 +34,11 @@ environment) to the rotation, e.g. ``--policies stock,kda,ck`` with
 percentiles, the CSV and the ratio table give the per-request worst decode gap over the run's
 requests, ``gap_p50_ms``, ``gap_p90_ms`` and ``gap_max_ms``
 (:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall).
+Every server runs with ``SGLANG_KDA_STEP_TRACE`` (CPU engine; a variant may name its own
+file), and ``decode_step_ms`` is the run's speed index: the median forward time of its decode
+steps at ``--max-concurrency`` sequences (:func:`sglang_kda.steps.decode_step_s`), the same work
+under either policy, so two runs' indices say how much the machine's speed moved between them
+(``benchmark/saturation.py`` divides it out in its speed-normalised ratios).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from pathlib import Path
 from kda_harness import launch, tiny_model_dir, write_csv
 from kda_harness.bench import md_table
 from sglang_kda.numbers import GAP_KEYS, worst_gaps
+from sglang_kda.steps import TRACE_ENV, decode_step_s, read_steps
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = (
@@ -61,6 +67,7 @@ METRICS = (
     "p99_itl_ms",
     *GAP_KEYS,  # the per-request worst decode gap (:func:`with_gaps`), beside pooled ITL
     "mean_e2e_latency_ms",
+    "decode_step_ms",  # the run's speed index (:func:`sglang_kda.steps.decode_step_s`)
 )
 
 
@@ -186,8 +193,12 @@ def main() -> int:
         if args.round_log and policy != "stock":
             rounds = out_csv.with_name(f"{out_csv.stem}.{label}.rounds.jsonl")
             extra += ["--kda-round-log", str(rounds)]
+        trace = Path(env.get(TRACE_ENV) or tmp / f"{label}.steps.jsonl")
+        env = {**env, TRACE_ENV: str(trace)}
         with launch(model, policy=policy, extra=extra, log=log, name=label, env=env) as server:
             results[label] = with_gaps(run_bench(server.port, model, args, tmp / f"{label}.jsonl"))
+            step = decode_step_s(read_steps(trace), args.max_concurrency)
+            results[label]["decode_step_ms"] = None if step is None else 1e3 * step
             if policy != "stock":
                 info = out_csv.with_name(f"{out_csv.stem}.{label}.server_info.json")
                 info.write_text(json.dumps(server.kda_report(), indent=1, default=str))

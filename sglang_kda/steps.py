@@ -156,3 +156,27 @@ def run_step(
     finally:
         if trace:
             write_step(trace, batch, t0, time.perf_counter())
+
+
+def decode_step_s(rows: Iterable[dict], batch: int) -> Optional[float]:
+    """The median forward time (s) of the trace's plain decode steps of ``batch`` sequences (the
+    most frequent decode batch size when none has ``batch``); None without decode steps.
+
+    A run's speed index: both policies run the same decode forward (same kernels, a batch of
+    the same size at similar contexts), so the ratio of two runs' indices is how much faster
+    the machine ran one than the other. On the shared 2-core CI box that drifts by 5-15%
+    between runs a minute apart (issue 39: stock's own median TTFT 160-182 ms and decode step
+    11.3-12.0 ms in consecutive runs), as much as the effects the side-by-side benchmarks
+    look for; ``benchmark/serving_side_by_side.py`` reports it beside each run and divides it
+    out of the speed-normalised ratios."""
+    by_size: dict[int, list[float]] = {}
+    for r in rows:
+        if r.get("mode") == "DECODE" and r.get("ext"):
+            by_size.setdefault(len(r["ext"]), []).append(float(r["t1"]) - float(r["t0"]))
+    if not by_size:
+        return None
+    if batch not in by_size:
+        batch = max(by_size, key=lambda n: (len(by_size[n]), n))
+    times = sorted(by_size[batch])
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])

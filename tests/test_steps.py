@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sglang_kda.policy.cost_model import BatchShape, Slice
 from sglang_kda.sim.rank import SimReq
-from sglang_kda.steps import batch_shape, read_steps, row_shape, step_row, write_step
+from sglang_kda.steps import (
+    batch_shape,
+    decode_step_s,
+    read_steps,
+    row_shape,
+    step_row,
+    write_step,
+)
 
 
 def _mode(name: str) -> SimpleNamespace:
@@ -72,3 +80,17 @@ def test_unreadable_batches_have_no_shape():
     odd = SimpleNamespace(forward_mode=_mode("EXTEND"), extend_lens=None, prefix_lens=[])
     assert batch_shape(odd) is None
     assert step_row(odd, 0.0, 1.0) == {"t0": 0.0, "t1": 1.0, "mode": "EXTEND"}
+
+
+def test_speed_index_is_the_median_decode_step_at_the_concurrency():
+    def dec(n: int, secs: float) -> dict:
+        return {"t0": 10.0, "t1": 10.0 + secs, "mode": "DECODE", "ext": [1] * n, "pre": [9] * n}
+
+    rows = [dec(8, 0.012), dec(8, 0.010), dec(8, 0.011), dec(3, 0.5)]
+    rows.append({"t0": 0.0, "t1": 2.0, "mode": "EXTEND", "ext": [64], "pre": [0]})
+    assert decode_step_s(rows, 8) == pytest.approx(0.011)
+    # No step at the concurrency: the most frequent decode batch size stands in.
+    assert decode_step_s(rows, 16) == pytest.approx(0.011)
+    assert decode_step_s(rows[:2] + [dec(4, 0.02)] * 3, 5) == pytest.approx(0.02)
+    assert decode_step_s([dec(2, 0.01), dec(2, 0.03)], 2) == pytest.approx(0.02)
+    assert decode_step_s(rows[-1:], 8) is None
