@@ -4,7 +4,7 @@
 Each case runs :mod:`benchmark.serving_side_by_side` (both policies, ``--repeat`` alternating
 pairs, default server flags plus whatever follows ``--``) and keeps its CSVs under ``--out``;
 ``summary.csv`` and ``summary.md`` give, per case and pair, kda / stock for TTFT median and p99,
-output throughput and the per-request worst decode gap (p50 / p90 / max); the same TTFT median
+the opening burst's last first token and the TTFT median after the burst, output throughput and the per-request worst decode gap (p50 / p90 / max); the same TTFT median
 and throughput with the machine's speed divided out (``speed``: kda's run's decode step over
 stock's, :func:`normalised`); and ``TTFT paired``, the median of each request's own kda / stock
 TTFT (:func:`paired_ttft`). ``summary.png`` plots the TTFT median and p99 ratios per case. (``--dataset-name random`` needs ShareGPT from the
@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 RATIOS = (
     ("median_ttft_ms", "TTFT p50"),
     ("p99_ttft_ms", "TTFT p99"),
+    ("burst_ttft_max_ms", "burst TTFT max"),
+    ("after_burst_ttft_p50_ms", "TTFT p50 after burst"),
     ("output_throughput", "out tok/s"),
     ("p99_itl_ms", "ITL p99"),
     ("gap_p50_ms", "gap p50"),

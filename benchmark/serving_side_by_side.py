@@ -33,7 +33,9 @@ environment) to the rotation, e.g. ``--policies stock,kda,ck`` with
 ``--variant "ck=kda:--kda-checkpoint-every 512"``. Beside bench_serving's pooled ITL
 percentiles, the CSV and the ratio table give the per-request worst decode gap over the run's
 requests, ``gap_p50_ms``, ``gap_p90_ms`` and ``gap_max_ms``
-(:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall).
+(:func:`sglang_kda.numbers.worst_gaps` of those ``itls``: a user's worst stall); beside the TTFT
+percentiles, the opening burst's last first token and the TTFT median after the burst
+(:func:`with_burst`).
 Every server runs with ``SGLANG_KDA_STEP_TRACE`` (CPU engine; a variant may name its own
 file), and ``decode_step_ms`` is the run's speed index: the median forward time of its decode
 steps at ``--max-concurrency`` sequences (:func:`sglang_kda.steps.decode_step_s`), the same work
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,12 +59,14 @@ from sglang_kda.numbers import GAP_KEYS, worst_gaps
 from sglang_kda.steps import TRACE_ENV, decode_step_s, read_steps
 
 REPO = Path(__file__).resolve().parents[1]
+BURST_KEYS = ("burst_ttft_max_ms", "after_burst_ttft_p50_ms")
 METRICS = (
     "input_throughput",
     "output_throughput",
     "mean_ttft_ms",
     "median_ttft_ms",
     "p99_ttft_ms",
+    *BURST_KEYS,  # the opening burst's last first token, and the TTFT median after it
     "mean_tpot_ms",
     "median_itl_ms",
     "p99_itl_ms",
@@ -117,6 +122,22 @@ def with_gaps(result: dict) -> dict:
     """bench_serving's result with the per-request worst decode gap added (from its
     ``--output-details`` per-request ``itls``, seconds; ``None`` values without them)."""
     return {**result, **worst_gaps(result.get("itls") or ())}
+
+
+def with_burst(result: dict, concurrency: int) -> dict:
+    """bench_serving's result with :data:`BURST_KEYS` added from its per-request ``ttfts``
+    (seconds, in the order sent): the first ``concurrency`` requests go out at once (the opening
+    burst) and the rest one as each finishes, so a run's TTFT p99 is often the burst's last
+    first token while its median is set after it (issue 39, concurrency 32: kda's burst median
+    far below stock's, its last first token above). ``None`` without the per-request TTFTs or
+    without requests after the burst."""
+    ttfts = [1e3 * t for t in result.get("ttfts") or ()]
+    burst, after = ttfts[: max(1, concurrency)], ttfts[max(1, concurrency) :]
+    return {
+        **result,
+        "burst_ttft_max_ms": max(burst) if burst else None,
+        "after_burst_ttft_p50_ms": statistics.median(after) if after else None,
+    }
 
 
 def request_rows(label: str, result: dict) -> list[dict]:
@@ -196,7 +217,8 @@ def main() -> int:
         trace = Path(env.get(TRACE_ENV) or tmp / f"{label}.steps.jsonl")
         env = {**env, TRACE_ENV: str(trace)}
         with launch(model, policy=policy, extra=extra, log=log, name=label, env=env) as server:
-            results[label] = with_gaps(run_bench(server.port, model, args, tmp / f"{label}.jsonl"))
+            result = run_bench(server.port, model, args, tmp / f"{label}.jsonl")
+            results[label] = with_burst(with_gaps(result), args.max_concurrency)
             step = decode_step_s(read_steps(trace), args.max_concurrency)
             results[label]["decode_step_ms"] = None if step is None else 1e3 * step
             if policy != "stock":

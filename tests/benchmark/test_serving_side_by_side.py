@@ -54,3 +54,18 @@ def test_a_variant_is_a_policy_with_its_own_flags_and_environment(sbs):
         sbs.parse_variant("nopolicy")
     with pytest.raises(SystemExit, match="--variant"):
         sbs.parse_variant("x=vllm:--foo")
+
+
+def test_the_opening_burst_and_the_ttft_after_it(sbs):
+    """The first ``--max-concurrency`` requests go out together: their last first token and the
+    TTFT median of the requests after them, beside the run's percentiles."""
+    m = list(sbs.METRICS)
+    assert m[m.index("p99_ttft_ms") + 1 : m.index("p99_ttft_ms") + 3] == list(sbs.BURST_KEYS)
+    result = {"ttfts": [0.1, 0.5, 0.3, 0.05, 0.07, 0.2]}  # seconds, in the order sent
+    got = sbs.with_burst(result, 3)
+    assert got["burst_ttft_max_ms"] == pytest.approx(500.0)
+    assert got["after_burst_ttft_p50_ms"] == pytest.approx(70.0)
+    assert got["ttfts"] is result["ttfts"]
+    none = sbs.with_burst({}, 3)
+    assert none["burst_ttft_max_ms"] is None and none["after_burst_ttft_p50_ms"] is None
+    assert sbs.with_burst({"ttfts": [0.1, 0.2]}, 4)["after_burst_ttft_p50_ms"] is None
