@@ -1110,3 +1110,50 @@ def test_the_progress_floor_holds_the_slices_own_tokens_to_the_slowdown():
                 w = model.prefill_work(done, done + n - 64)
                 assert w + model.slice_round(ctx) > s * (w + model.slice_round(()) * (n - 64) / cap)
         assert _local_floor(model, ctx, p, cfg, 1.05) > _local_floor(model, ctx, p, cfg, 1.25)
+
+
+def test_when_the_queue_outnumbers_the_decode_streams_its_prompts_run_batched_without_decode():
+    """Issue 39, ``queue_batch``: the opening burst at concurrency 32 ran as 30 rounds of one
+    prompt each beside the few streams that had started, each paying a forward's fixed cost;
+    stock batched it in four rounds without decode. While more prompts wait for a first token
+    than streams for their next one, a round takes the queued prompts whole, up to the chunk and
+    the round bound, without decode, at most two rounds in a row; once the streams outnumber the
+    queue the budget's own rules apply."""
+    from sglang_kda.policy.plan import QUEUE_WAITS_MAX, RoundPlanner, queue_batch
+
+    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0)
+    queue = [Prefill(f"q{i}", deadline=1e9, done=0, total=500 + 10 * i) for i in range(12)]
+    plan = plan_round(CPU_TINY, cfg, 0.0, (400,) * 3, queue, since_decode=0)
+    assert (plan.mode, plan.rid, plan.mix_decode) == ("queue", "q0", False)
+    assert plan.tokens == sum(p.total for p in queue[:7])  # 3,710; the 8th would pass 4,096
+    shape = BatchShape((), tuple(Slice(0, p.total) for p in queue[:7]))
+    assert plan.predicted_s == pytest.approx(CPU_TINY.predict(shape))
+    # the round bound (model time, divided by the slow factor) ends the list too
+    bound = replace(cfg, max_round_s=0.3)
+    taken = queue_batch(CPU_TINY, bound, queue[0], queue, (400,) * 3, 0)
+    shape = BatchShape((), tuple(Slice(0, p.total) for p in taken))
+    assert 1 <= len(taken) < 7 and CPU_TINY.predict(shape) <= 0.3
+    more = BatchShape((), tuple(Slice(0, p.total) for p in queue[: len(taken) + 1]))
+    assert CPU_TINY.predict(more) > 0.3
+    slow = queue_batch(CPU_TINY, replace(bound, slow=1.5), queue[0], queue, (400,) * 3, 0)
+    assert len(slow) < len(taken)
+    # decode waits at most QUEUE_WAITS_MAX rounds in a row
+    assert queue_batch(CPU_TINY, cfg, queue[0], queue, (400,) * 3, QUEUE_WAITS_MAX - 1)
+    assert queue_batch(CPU_TINY, cfg, queue[0], queue, (400,) * 3, QUEUE_WAITS_MAX) == []
+    # as many streams as prompts waiting: the budget's rules (here a round beside decode)
+    assert plan_round(CPU_TINY, cfg, 0.0, (400,) * 12, queue, since_decode=0).mode != "queue"
+    assert queue_batch(CPU_TINY, cfg, queue[0], queue, (400,) * 12, 0) == []
+    # no decode running: the lone prefill's rules; a head longer than the chunk: cut as before
+    assert queue_batch(CPU_TINY, cfg, queue[0], queue, (), 0) == []
+    long = Prefill("long", deadline=1e9, done=0, total=6000)
+    assert queue_batch(CPU_TINY, cfg, long, [long, *queue], (400,), 0) == []
+    # a prompt that does not fit ends the round's list: those behind it wait their turn
+    mixed = [queue[0], Prefill("big", deadline=1e9, done=0, total=3900), queue[1], queue[2]]
+    assert [p.rid for p in queue_batch(CPU_TINY, cfg, mixed[0], mixed, (400,), 0)] == ["q0"]
+    # the planner counts the round as one where decode waited
+    planner = RoundPlanner(cfg)
+    for p in queue[:4]:
+        planner.book.admit(CPU_TINY, p.rid, 0.0, p.total)
+    d = planner.decide(CPU_TINY, 0.0, (400,), [(p.rid, 0) for p in queue[:4]], None)
+    assert (d.plan.mode, d.mix_decode, d.chunk_budget) == ("queue", False, 2060)
+    assert planner.since_decode == 1
