@@ -1,14 +1,16 @@
 """Saturation side by side (issue 39): stock SGLang vs sglang_kda's defaults under SGLang's
 ``bench_serving --dataset-name random-ids`` at several concurrencies and lengths.
 
-Each case runs :mod:`benchmark.serving_side_by_side` (both policies, ``--repeat`` alternating
-pairs, default server flags plus whatever follows ``--``) and keeps its CSVs under ``--out``;
-``summary.csv`` and ``summary.md`` give, per case and pair, kda / stock for TTFT median and p99,
-the opening burst's last first token and the TTFT median after the burst, output throughput and the per-request worst decode gap (p50 / p90 / max); the same TTFT median
-and throughput with the machine's speed divided out (``speed``: kda's run's decode step over
-stock's, :func:`normalised`); and ``TTFT paired``, the median of each request's own kda / stock
-TTFT (:func:`paired_ttft`). ``summary.png`` plots the TTFT median and p99 ratios per case. (``--dataset-name random`` needs ShareGPT from the
-Hugging Face hub, which this machine cannot reach; ``random-ids`` draws the same lengths.)
+Each case runs :mod:`benchmark.serving_side_by_side` (both policies, ``--repeat`` alternating pairs,
+default server flags plus whatever follows ``--``) and keeps its CSVs under ``--out``;
+``summary.csv`` and ``summary.md`` give, per case and pair, kda / stock for TTFT median and p99, the
+opening burst's last first token and the TTFT median after the burst, output throughput and the
+per-request worst decode gap (p50 / p90 / max); the same TTFT median and throughput with the
+machine's speed divided out (``speed``: kda's run's decode step over stock's, :func:`normalised`);
+and ``TTFT paired``, the median of each request's own kda / stock TTFT (:func:`paired_ttft`).
+``summary.png`` plots the TTFT median and p99 ratios per case. (``--dataset-name random`` needs
+ShareGPT from the Hugging Face hub, which this machine cannot reach; ``random-ids`` draws the same
+lengths.)
 
     .venv/bin/python benchmark/saturation.py --cases 16:1536:192,8:1536:192,32:512:128 \\
         --repeat 2 --out benchmark/results/saturation

@@ -163,7 +163,7 @@ def _plan_head(
     if inflight is None:
         taken = queue_batch(model, cfg, head, pending, decode_ctx, since_decode)
         if taken:
-            pred = model.predict(BatchShape((), tuple(Slice(p.done, p.remaining) for p in taken)))
+            pred = whole_alone(model, taken)
             return Plan("queue", head.rid, sum(p.remaining for p in taken), False, pred, pred, sl)
     share = fit_slice(
         model, decode_ctx, head.done, head.remaining, budget, cfg.grid, cfg.max_slice, memo
@@ -208,6 +208,11 @@ def _plan_head(
     return planned("alone", cfg.max_slice, False)
 
 
+def whole_alone(model: CostModel, prompts: Sequence[Prefill]) -> float:
+    """Predicted seconds of one round that runs all ``prompts`` have left, without decode."""
+    return model.predict(BatchShape((), tuple(Slice(p.done, p.remaining) for p in prompts)))
+
+
 QUEUE_WAITS_MAX = 2
 """Rounds in a row decode may wait for :func:`queue_batch`'s rounds."""
 
@@ -243,8 +248,7 @@ def queue_batch(
         if p.remaining <= 0:
             continue
         trial = [*taken, p]
-        shape = BatchShape((), tuple(Slice(q.done, q.remaining) for q in trial))
-        if tokens + p.remaining > cfg.max_slice or model.predict(shape) > bound:
+        if tokens + p.remaining > cfg.max_slice or whole_alone(model, trial) > bound:
             break
         taken, tokens = trial, tokens + p.remaining
     return taken
