@@ -8,6 +8,11 @@ that round runs without the decode tokens.
   budget (``share``, :func:`whole_reason`). With prompts waiting behind it (``drain``) the
   later rounds delay their first tokens too: the gain counts once for each, and the round may
   take up to ``max_round_s``.
+* A prompt not yet started, nobody waiting behind it, whose cut already overshoots the round
+  budget (the progress floor's slice: decode misses its target this round either way) is taken
+  whole when its later rounds would delay its first token by more than :data:`STAKE_FRACTION`
+  of the whole round and one ``max_round_s`` round finishes it (``stake``,
+  :func:`whole_reason`).
 * A prompt whose whole remainder's round fits within the median worst gap the running decode
   streams have already had is taken whole (``tolerated``, :func:`whole_reason`): that round
   lengthens no more than half of their worst stalls. The gaps are kept by :class:`StreamGaps`
@@ -54,11 +59,12 @@ def whole_reason(
     cfg: BudgetConfig,
     behind: int = 0,
     tolerated_s: float = 0.0,
+    waiting: bool = False,
 ) -> str | None:
     """Why the round takes all ``p`` has left instead of cutting it at ``tokens`` (``None``: it
     cuts), pricing the whole remainder's round once: ``share`` (the prompts behind not
-    counted), ``drain`` (only with the ``behind`` prompts counted) or ``tolerated`` (its round
-    is predicted within ``tolerated_s``).
+    counted), ``drain`` (only with the ``behind`` prompts counted), ``tolerated`` (its round
+    is predicted within ``tolerated_s``) or ``stake`` (the cut overshoots the budget anyway).
 
     ``share`` and ``drain``: cut, ``p``'s first token comes one or more rounds later: each such
     round costs the fixed round time (overhead, extend path, the decode tokens), which a whole
@@ -91,16 +97,27 @@ def whole_reason(
     in the simulator at H200 TP8, Mooncake 0-600 s, pooled ITL p99 84 ms against 50 without the
     rule and TTFT p50 0.30 s against 0.21; whole remainders only: 62 ms, 0.23 s). A prompt
     that two rounds within the tolerated gap finish takes them
-    (:func:`~.slices.tolerated_slice`, capped at three round budgets)."""
+    (:func:`~.slices.tolerated_slice`, capped at three round budgets).
+
+    ``stake``, for a prompt still ``waiting`` (not yet started: arrivals may still enter beside
+    an in-flight prompt's next rounds) with no prompt ``behind`` (those are weighed by
+    ``drain``): the cut at ``tokens`` is itself predicted past ``budget`` (the progress floor
+    grew it: the decode tokens miss their target this round whether it is cut or not), so the
+    cut buys the streams a shorter stall, not one within the target, and its later rounds cost
+    the prompt their fixed costs and the decode tokens riding in them. When those exceed
+    :data:`STAKE_FRACTION` of the whole round and one ``max_round_s`` round finishes it (the
+    stretch without ``max_round_s``), the prompt is taken whole (issue 39, bench_serving
+    random-ids at concurrency 8, 1,024-2,048-token prompts beside seven CPU decode streams:
+    each cut into a ~1,200-token round and a second of the rest, TTFT median 1.20-1.46x
+    stock's and output throughput 0.89-0.93x; whole, 1.13-1.15x and 0.96-0.98x, the worst gap
+    per request p90 0.76-0.80x stock's)."""
     if not decode_ctx or tokens >= p.remaining or p.remaining > cfg.max_slice:
         return None
     ctx = tuple(decode_ctx)
     whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
     stretch = FINISH_STRETCH * budget
-    wide = stretch
-    if behind > 0 and cfg.max_round_s > 0:
-        wide = max(stretch, cfg.max_round_s / cfg.slow)
-    if whole <= wide:
+    bound = max(stretch, cfg.max_round_s / cfg.slow) if cfg.max_round_s > 0 else stretch
+    if whole <= bound:
         cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
         gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
         if whole <= stretch and gain > whole - cut:
@@ -109,7 +126,16 @@ def whole_reason(
             return "drain"
     if 0 < tolerated_s and whole <= tolerated_s:
         return "tolerated"
+    if waiting and not behind and whole <= bound and cut > budget:
+        if gain > STAKE_FRACTION * whole:
+            return "stake"
     return None
+
+
+STAKE_FRACTION = 0.1
+"""``stake`` (:func:`whole_reason`): a cut past the round budget whose later rounds would delay
+the prompt's first token by more than this fraction of its whole round is not made (the 1.1x
+of stock's TTFT median that issue 39 holds the budget to)."""
 
 
 def finish_first(

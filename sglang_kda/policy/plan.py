@@ -85,7 +85,7 @@ from sglang_kda.policy.slices import (
 
 # The modes of a round that takes a waiting head whole and may give the time it leaves to the
 # prefills behind it (:func:`room_behind`).
-ROOM_MODES = ("share", "prefill_only", "drain", "tolerated")
+ROOM_MODES = ("share", "prefill_only", "drain", "tolerated", "stake")
 
 
 def plan_round(
@@ -174,7 +174,8 @@ def _plan_head(
     if not behind:
         share = max(share, tolerated_slice(model, decode_ctx, head, budget, cfg, tolerated_s, memo))
     share = whole_within_step(head, share, cfg.grid)
-    why = whole_reason(model, decode_ctx, head, share, budget, cfg, behind, tolerated_s)
+    waiting = head.rid != inflight
+    why = whole_reason(model, decode_ctx, head, share, budget, cfg, behind, tolerated_s, waiting)
     if why is not None:
         share = head.remaining
     if (

@@ -19,6 +19,7 @@ from sglang_kda.policy.slices import (
     finish_time,
     fit_slice,
     paced_finish_time,
+    progress_floor,
     slice_end,
 )
 
@@ -987,6 +988,44 @@ def test_spare_tokens_go_behind_only_where_they_save_a_round():
     assert tight == 256
 
 
+def test_when_the_cut_already_overshoots_the_round_budget_the_prompt_takes_one_bounded_round():
+    """``stake`` (issue 39): the progress floor cuts a waiting 2,000-token prompt beside four
+    CPU decode streams past the round budget, so the decode target is missed this round either
+    way, and the cut's second round would delay the prompt's first token by more than a tenth
+    of its whole round (the round's fixed cost and the decode tokens riding in it). Such a prompt is
+    taken whole when its round fits ``max_round_s`` (concurrency 8, prompts 1,024-2,048
+    tokens: two rounds each, TTFT median 1.20-1.46x stock's; whole, 1.13-1.15x). A cut
+    within the budget, a round past the bound or past the stretch without ``max_round_s``, and
+    a prompt already in flight are still cut."""
+    from sglang_kda.policy.finish import STAKE_FRACTION
+
+    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
+    decode = (1200,) * 4
+    head = Prefill("head", deadline=1e9, done=0, total=2000)
+    budget = round_budget(CPU_TINY, decode, cfg)
+    plan = plan_round(CPU_TINY, cfg, 0.0, decode, [head])
+    assert (plan.mode, plan.tokens, plan.mix_decode) == ("stake", 2000, True)
+    whole = CPU_TINY.predict(BatchShape(decode, (Slice(0, 2000),)))
+    assert FINISH_STRETCH * budget < whole <= cfg.max_round_s
+    # the cut it replaces: the floor's, past the budget; its later rounds cost the prompt more
+    # than a tenth of the whole round
+    floor = progress_floor(CPU_TINY, decode, head, cfg, 0.0, False, budget)
+    assert CPU_TINY.predict(BatchShape(decode, (Slice(0, floor),))) > budget
+    gain = finish_time(CPU_TINY, decode, head, floor, cfg) - whole
+    assert gain > STAKE_FRACTION * whole
+    # without the floor the cut fits the budget: cut as before
+    fits = plan_round(CPU_TINY, replace(cfg, max_slowdown=0), 0.0, decode, [head])
+    assert fits.mode == "share" and fits.tokens < 2000 and fits.predicted_s <= budget
+    # a whole round past max_round_s, or past the stretch without max_round_s: cut
+    big = Prefill("big", deadline=1e9, done=0, total=4096)
+    assert plan_round(CPU_TINY, cfg, 0.0, decode, [big]).tokens < 4096
+    off = plan_round(CPU_TINY, replace(cfg, max_round_s=0.0), 0.0, decode, [head])
+    assert off.mode == "share" and off.tokens < 2000
+    # a prompt in flight (cut before; arrivals may still enter beside its next rounds) is cut
+    going = Prefill("head", deadline=1e9, done=640, total=2640)
+    assert plan_round(CPU_TINY, cfg, 0.0, decode, [going], inflight="head").tokens < 2000
+
+
 def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken_whole():
     """``drain`` (issue 39): at saturation (decode streams on the CPU engine, arrivals
     waiting) a 2,000-token prompt sliced to the round budget delays every queued prompt's first
@@ -994,7 +1033,8 @@ def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken
     and the round may stretch to ``max_round_s``; alone in the queue it is cut as before."""
     from sglang_kda.policy.finish import whole_reason
 
-    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5)
+    # no progress floor: the cut fits the round budget (a cut past it is ``stake``'s case)
+    cfg = BudgetConfig(grid=64, max_slice=4096, overhead_s=0.004, max_round_s=0.5, max_slowdown=0)
     decode = (1200,) * 4
     head = Prefill("head", deadline=1e9, done=0, total=2000)
     queued = [Prefill(f"q{i}", deadline=1e9, done=0, total=1800) for i in range(3)]
