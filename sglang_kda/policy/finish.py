@@ -50,6 +50,12 @@ FINISH_STRETCH = 2.5
 (:func:`whole_reason`; the budget is already divided by the slow factor)."""
 
 
+STAKE_FRACTION = 0.1
+"""``stake`` (:func:`whole_reason`): a cut past the round budget whose later rounds would delay
+the prompt's first token by more than this fraction of its whole round is not made (the 1.1x
+of stock's TTFT median that issue 39 holds the budget to)."""
+
+
 def whole_reason(
     model: CostModel,
     decode_ctx: Sequence[int],
@@ -126,16 +132,10 @@ def whole_reason(
             return "drain"
     if 0 < tolerated_s and whole <= tolerated_s:
         return "tolerated"
-    if waiting and not behind and whole <= bound and cut > budget:
-        if gain > STAKE_FRACTION * whole:
-            return "stake"
+    stake = waiting and not behind and whole <= bound  # cut and gain are priced only then
+    if stake and cut > budget and gain > STAKE_FRACTION * whole:
+        return "stake"
     return None
-
-
-STAKE_FRACTION = 0.1
-"""``stake`` (:func:`whole_reason`): a cut past the round budget whose later rounds would delay
-the prompt's first token by more than this fraction of its whole round is not made (the 1.1x
-of stock's TTFT median that issue 39 holds the budget to)."""
 
 
 def finish_first(
