@@ -28,7 +28,7 @@ from sglang_kda.policy.grid import KDA_KERNEL_CHUNK
 # the plan's modes (:mod:`sglang_kda.policy.plan` says what each does)
 MODES = (
     "idle", "prefill_only", "share", "drain", "tolerated", "grow", "alone", "interleave", "pace",
-    "burst", "finish", "queue", "stake",
+    "burst", "finish", "queue", "stake", "amortize",
 )  # fmt: skip
 
 

@@ -12,7 +12,8 @@ that round runs without the decode tokens.
   budget (the progress floor's slice: decode misses its target this round either way) is taken
   whole when its later rounds would delay its first token by more than :data:`STAKE_FRACTION`
   of the whole round and one ``max_round_s`` round finishes it (``stake``,
-  :func:`whole_reason`).
+  :func:`whole_reason`); those rounds are priced at least at
+  :func:`~.slices.extra_round_cost` each (:func:`later_rounds_floor`).
 * A prompt whose whole remainder's round fits within the median worst gap the running decode
   streams have already had is taken whole (``tolerated``, :func:`whole_reason`): that round
   lengthens no more than half of their worst stalls. The gaps are kept by :class:`StreamGaps`
@@ -34,7 +35,7 @@ from typing import Iterable, Sequence
 
 from sglang_kda.policy.budget import BudgetConfig, Prefill
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
-from sglang_kda.policy.slices import finish_time, slice_end
+from sglang_kda.policy.slices import extra_round_cost, finish_time, rounds_needed, slice_end
 
 
 def whole_within_step(p: Prefill, tokens: int, grid: int) -> int:
@@ -54,6 +55,15 @@ STAKE_FRACTION = 0.1
 """``stake`` (:func:`whole_reason`): a cut past the round budget whose later rounds would delay
 the prompt's first token by more than this fraction of its whole round is not made (the 1.1x
 of stock's TTFT median that issue 39 holds the budget to)."""
+
+
+def round_bound(budget: float, cfg: BudgetConfig) -> float:
+    """The longest round a prompt's finish (``drain``, ``stake``) or a cut past the budget
+    (:func:`~.slices.amortized_slice`) may make beside decode: one ``max_round_s`` round (in the
+    model's time), at least :data:`FINISH_STRETCH` x ``budget``; the stretch alone without
+    ``max_round_s``."""
+    stretch = FINISH_STRETCH * budget
+    return max(stretch, cfg.max_round_s / cfg.slow) if cfg.max_round_s > 0 else stretch
 
 
 def whole_reason(
@@ -122,7 +132,7 @@ def whole_reason(
     ctx = tuple(decode_ctx)
     whole = model.predict(BatchShape(ctx, (Slice(p.done, p.remaining),)))
     stretch = FINISH_STRETCH * budget
-    bound = max(stretch, cfg.max_round_s / cfg.slow) if cfg.max_round_s > 0 else stretch
+    bound = round_bound(budget, cfg)
     if whole <= bound:
         cut = model.predict(BatchShape(ctx, (Slice(p.done, tokens),)))
         gain = finish_time(model, ctx, p, tokens, cfg) - whole  # the later rounds' fixed costs
@@ -133,9 +143,23 @@ def whole_reason(
     if 0 < tolerated_s and whole <= tolerated_s:
         return "tolerated"
     stake = waiting and not behind and whole <= bound  # cut and gain are priced only then
-    if stake and cut > budget and gain > STAKE_FRACTION * whole:
-        return "stake"
+    if stake and cut > budget:
+        gain = max(gain, later_rounds_floor(model, ctx, p, tokens, cfg))
+        if gain > STAKE_FRACTION * whole:
+            return "stake"
     return None
+
+
+def later_rounds_floor(
+    model: CostModel, decode_ctx: Sequence[int], p: Prefill, tokens: int, cfg: BudgetConfig
+) -> float:
+    """The least the rounds after a cut at ``tokens`` delay ``p``'s first token beyond its
+    prefill work: :func:`~.slices.extra_round_cost` each (at least a decode step of these
+    streams plus one of a single stream, where the online fit may price a prefill round's fixed
+    costs near 0: at concurrency 8 ``stake``'s gain test with the fit's price fired in 4-18
+    rounds a run, issue 39)."""
+    later = rounds_needed(p.done, p.remaining, tokens, cfg.grid) - 1
+    return later * extra_round_cost(model, decode_ctx) if later > 0 else 0.0
 
 
 def finish_first(

@@ -20,7 +20,9 @@ the finishing rules (:mod:`~sglang_kda.policy.finish`) and the deadline book
   with ``max_round_s`` the largest whose round fits it (``prefill_only``,
   :func:`~.slices.lone_slice`), and one grid step when a waiting request's whole round would
   follow (:func:`arrivals_wait`). A cut may take the prompt whole (``share``, ``drain``,
-  ``tolerated``) or run without decode (``finish``): :mod:`~sglang_kda.policy.finish`.
+  ``tolerated``, ``stake``) or run without decode (``finish``): :mod:`~sglang_kda.policy.finish`;
+  one far past the budget that does not grows to amortize a round's fixed part (``amortize``,
+  :func:`~.slices.amortized_slice`).
 * **Room behind** (:func:`room_behind`): a round that finishes its head (a waiting one, or the
   in-flight one) leaves its spare to the prefills behind it, as far as that saves one of them a
   round (:func:`useful_extra`); a waiting head's round with decode holds up to the gap the
@@ -63,10 +65,18 @@ from sglang_kda.policy.budget import (
 )
 from sglang_kda.policy.cost_model import BatchShape, CostModel, Slice
 from sglang_kda.policy.deadlines import DeadlineBook, first_in_order, slack
-from sglang_kda.policy.finish import finish_first, tolerated_gap, whole_reason, whole_within_step
+from sglang_kda.policy.finish import (
+    FINISH_STRETCH,
+    finish_first,
+    round_bound,
+    tolerated_gap,
+    whole_reason,
+    whole_within_step,
+)
 from sglang_kda.policy.grid import first_step, longest_fit
 from sglang_kda.policy.slices import (
     alone_time,
+    amortized_slice,
     burst_slice,
     finish_time,
     fit_slice,
@@ -178,6 +188,13 @@ def _plan_head(
     why = whole_reason(model, decode_ctx, head, share, budget, cfg, behind, tolerated_s, waiting)
     if why is not None:
         share = head.remaining
+    else:
+        bound = round_bound(budget, cfg)
+        past = FINISH_STRETCH * budget
+        grown = amortized_slice(model, decode_ctx, head, share, past, bound, cfg, memo)
+        grown = whole_within_step(head, grown, cfg.grid)
+        if grown > share:
+            share, why = grown, "amortize"
     if (
         since_slice is not None
         and cfg.pace_every > 1
@@ -602,7 +619,7 @@ class RoundPlanner:
             if decode_ctx and keep is not None:
                 # one list for both: the slice is cut back only for prompts that then enter
                 shorts = enter_beside(model, cfg, plan, long, pending, tolerated)
-                if plan.mode == "share":
+                if plan.mode in ("share", "amortize"):  # a cut, not a finish
                     keep = cap = _slice_beside_shorts(
                         model, cfg, now, decode_ctx, long, shorts, chunk, keep
                     )

@@ -12,6 +12,10 @@
   floor, :func:`progress_floor`); a prompt catching up (behind its pace, or with prompts queued
   behind it) takes at least the slice the model fits in the round budget without the slow
   factor's margin.
+* A cut far past the round budget (the floor's, beyond ``FINISH_STRETCH`` x it: decode misses
+  its target whatever the cut) grows until a round's fixed part is a tenth of the round
+  (:func:`amortized_slice`; the fixed part priced at least at two decode steps,
+  :func:`extra_round_cost`, where the online fit may read it near 0).
 * The slice that still meets a deadline with decode riding along (:func:`needed_slice`), and a
   paced round's slice (:func:`burst_slice`, :func:`paced_finish_time`).
 * Closed-form times: :func:`finish_time`, :func:`alone_time`, :func:`rounds_needed`.
@@ -324,6 +328,62 @@ def _local_floor(
     # Work grows with the slice while the fixed costs stay: one grid step past the longest
     # grid-aligned slice that is still too slow.
     return min(cap, longest_fit(p.done, first, cap - 1, cfg.grid, too_slow) + cfg.grid)
+
+
+AMORTIZE_FRACTION = 0.1
+"""A round already past the round budget grows until the fixed part of a round
+(:func:`extra_round_cost`) is at most this fraction of it (:func:`amortized_slice`)."""
+
+
+def extra_round_cost(model: CostModel, decode_ctx: Sequence[int]) -> float:
+    """What one more round of a sliced prefill costs its first token beyond the prefill work:
+    the round's fixed part (:meth:`~CostModel.slice_round`: overhead, the extend path's and the
+    slice's fixed costs, the decode tokens riding along), and at least a decode step of these
+    streams plus one of a single stream (the extend path's fixed cost taken as at least one
+    more decode step: on the tiny model's CPU trace a 1-63-token slice ran 20 ms against
+    9.5 ms for a one-request decode step).
+
+    The fitted fixed costs of a prefill round (``per_prefill_round``, ``per_slice``) are poorly
+    identified where the prefill rounds are whole prompts of similar size: at concurrency 8
+    (issue 39, prompts of 1,024-2,048 tokens) refits put the fixed part anywhere from 2 to
+    29 ms (median 9.4, 82 prefill rounds of one run), where the run's own rounds without
+    decode cost 20.0 ms plus 0.089 ms a token (least squares over its 36 such rounds, 1-1,933
+    tokens). The decode steps (hundreds a window) pin the floor."""
+    ctx = ctx_tuple(decode_ctx)
+    floor = model.predict(BatchShape(ctx)) + model.predict(BatchShape(ctx[:1])) if ctx else 0.0
+    return max(model.slice_round(ctx), floor)
+
+
+def amortized_slice(
+    model: CostModel,
+    decode_ctx: Sequence[int],
+    p: Prefill,
+    tokens: int,
+    past_s: float,
+    cap_s: float,
+    cfg: BudgetConfig,
+    memo: dict | None = None,
+) -> int:
+    """``tokens``, or more where a round of ``tokens`` is already predicted past ``past_s`` (the
+    caller's :data:`~.finish.FINISH_STRETCH` x the round budget: decode is far off its target
+    this round whatever the cut): the longest slice whose round fits
+    :func:`extra_round_cost` / :data:`AMORTIZE_FRACTION`, within ``cap_s``. That far past the
+    budget a smaller cut only spreads the decode streams' stall over more rounds, and each round
+    costs the prompt and every stream beside it a round's fixed part again.
+
+    Issue 39, the Mooncake light slice on the CPU server: the progress floor ran a
+    15,079-token prompt in ~30 rounds of 700-1,350 tokens (0.12-0.21 s against a round budget
+    of 35-45 ms), each paying ~20 ms of the CPU forward's fixed cost and ~10 ms of decode
+    tokens, ~0.9 s over stock SGLang's two 8,192-token rounds; the burst sent with it (six
+    requests) ended 3-20% later than stock's."""
+    if not decode_ctx or tokens >= p.remaining or cap_s <= past_s:
+        return tokens
+    ctx = ctx_tuple(decode_ctx)
+    if slice_pricer(model)(ctx, p.done, tokens) <= past_s:
+        return tokens
+    want = min(cap_s, extra_round_cost(model, ctx) / AMORTIZE_FRACTION)
+    grown = fit_slice(model, ctx, p.done, p.remaining, want, cfg.grid, cfg.max_slice, memo)
+    return max(tokens, grown)
 
 
 def rounds_needed(done: int, remaining: int, s: int, grid: int) -> int:

@@ -371,7 +371,9 @@ def test_a_prompt_that_must_run_alone_still_lets_decode_in(factor):
     assert plan_round(MODEL, cfg, 0.0, DECODE, [p]).mode == "alone"
     done_at, log = simulate([p], DECODE, cfg, interleave=True)
     assert done_at["long"] <= deadline
-    assert {plan.mode for plan, _, _ in log[:-1]} <= {"alone", "interleave", "grow"}
+    # ``share``: a cut past the round budget grows to amortize a round's fixed part
+    # (amortized_slice), and with the spare near the end such a round can carry decode
+    assert {plan.mode for plan, _, _ in log[:-1]} <= {"alone", "interleave", "grow", "share"}
     # the last round may finish the prompt beside decode (whole_reason's share)
     assert log[-1][0].mode in {"alone", "interleave", "grow", "share"}
     carried = [i for i, (plan, _, _) in enumerate(log) if plan.mix_decode]
@@ -1024,6 +1026,95 @@ def test_when_the_cut_already_overshoots_the_round_budget_the_prompt_takes_one_b
     # a prompt in flight (cut before; arrivals may still enter beside its next rounds) is cut
     going = Prefill("head", deadline=1e9, done=640, total=2640)
     assert plan_round(CPU_TINY, cfg, 0.0, decode, [going], inflight="head").tokens < 2000
+
+
+def test_stake_prices_later_rounds_at_two_decode_steps_at_least_where_the_fit_prices_them_free():
+    """``stake``'s gain test with a fit that put a prefill round's fixed costs at 0 (the server's
+    coefficients at a round of a concurrency-8 run, issue 39: prompts of 1,024-2,048 tokens
+    taken whole make those costs poorly identified). Priced by the fit, the cut's second round
+    costs the 1,641-token prompt only its decode step (11 ms, under a tenth of the 161 ms whole
+    round) and it was cut at 832 tokens into two rounds; measured on that run, a prefill round
+    alone cost 20 ms plus 0.089 ms a token. The later rounds are priced at least at a decode
+    step of these streams plus one of a single stream (19 ms), and the prompt is taken whole."""
+    from sglang_kda.policy.finish import STAKE_FRACTION, later_rounds_floor
+
+    fitted = CostModel(
+        Coefficients(
+            overhead=0.0058,
+            per_token=4.3e-5,
+            per_kda_step=3.9e-4,
+            per_attn_unit=3.6e-8,
+            per_decode_ctx=3.6e-8,
+            per_decode_seq=5.0e-4,
+        ),
+        kda_layers=3,
+        mla_layers=1,
+    )
+    decode = (1411, 2049, 1149, 1550, 1423, 1420, 1857)
+    cfg = BudgetConfig(max_round_s=0.5, slow=2.0)
+    head = Prefill("head", deadline=1e9, done=0, total=1641)
+    whole = fitted.predict(BatchShape(decode, (Slice(0, 1641),)))
+    by_fit = finish_time(fitted, decode, head, 832, cfg) - whole
+    floor = later_rounds_floor(fitted, decode, head, 832, cfg)
+    assert by_fit < STAKE_FRACTION * whole < floor
+    step = fitted.predict(BatchShape(decode)) + fitted.predict(BatchShape(decode[:1]))
+    assert floor == pytest.approx(step)
+    plan = plan_round(fitted, cfg, 0.0, decode, [head])
+    assert (plan.mode, plan.tokens) == ("stake", 1641)
+    # a cut that finishes the prompt has no later rounds
+    assert later_rounds_floor(fitted, decode, head, 1641, cfg) == 0.0
+
+
+def test_a_cut_far_past_the_round_budget_grows_until_a_round_s_fixed_part_is_a_tenth_of_it():
+    """``amortize`` (issue 39): the server's fit and inputs at a round of the Mooncake heavy
+    slice, the burst's 15,079-token prompt in flight at 10,624 tokens beside four streams. The
+    progress floor cut it at 704 tokens, a round predicted at ~4-6x the 38 ms budget: decode
+    misses its target whatever the cut, and each extra round costs the prompt and the streams
+    a round's fixed part (~31 ms: overhead, the extend path, the decode tokens). The cut grows
+    to the longest slice whose round fits ten times that, within one ``max_round_s`` round;
+    the prompt ran 16 rounds where the build before ran ~30 for it on the light slice."""
+    from sglang_kda.policy.finish import round_bound
+    from sglang_kda.policy.slices import AMORTIZE_FRACTION, amortized_slice, extra_round_cost
+
+    fitted = CostModel(
+        Coefficients(
+            overhead=0.00817,
+            per_token=8.33e-5,
+            per_kda_step=9.28e-5,
+            per_attn_unit=1.1e-8,
+            per_decode_ctx=1.1e-8,
+            per_prefill_round=0.0215,
+            per_decode_seq=4.03e-4,
+        ),
+        kda_layers=3,
+        mla_layers=1,
+    )
+    cfg = BudgetConfig(max_round_s=0.5, slow=1.3)
+    decode = (3264, 2646, 124, 175)
+    long = Prefill("long", deadline=1e9, done=10_624, total=15_079)
+    budget = round_budget(fitted, decode, cfg)
+    past, bound = FINISH_STRETCH * budget, round_bound(budget, cfg)
+
+    def price(n):
+        return fitted.predict(BatchShape(decode, (Slice(long.done, n),)))
+
+    assert price(704) > past
+    want = extra_round_cost(fitted, decode) / AMORTIZE_FRACTION
+    assert past < want < bound
+    grown = amortized_slice(fitted, decode, long, 704, past, bound, cfg)
+    assert grown > 704 and grown % cfg.grid == 0
+    assert price(grown) <= want < price(grown + cfg.grid)
+    # the fixed part is priced at least at two decode steps (the fit's may read near 0)
+    steps = fitted.predict(BatchShape(decode)) + fitted.predict(BatchShape(decode[:1]))
+    assert extra_round_cost(fitted, decode) >= steps
+    # a cut within the stretch, a bound no longer than it, no decode: unchanged
+    small = fit_slice(fitted, decode, long.done, long.remaining, past, cfg.grid, cfg.max_slice)
+    assert amortized_slice(fitted, decode, long, small, past, bound, cfg) == small
+    assert amortized_slice(fitted, decode, long, 704, past, past, cfg) == 704
+    assert amortized_slice(fitted, (), long, 704, past, bound, cfg) == 704
+    # and the cap holds where ten fixed parts would pass it
+    capped = amortized_slice(fitted, decode, long, 704, past, 0.8 * want, cfg)
+    assert 704 < capped < grown and price(capped) <= 0.8 * want
 
 
 def test_with_prompts_queued_behind_a_prompt_one_bounded_round_finishes_is_taken_whole():

@@ -463,7 +463,9 @@ def test_a_prompt_much_shorter_than_the_in_flight_one_enters_beside_it_within_on
     planner = _burst_planner(cfg, 15_079, 640, [("mid", 2182), ("big", 10_284)])
     queue = [("long", 640), ("mid", 0), ("big", 0)]
     dec = planner.decide(CPU_LIKE, 0.0, decode, queue, inflight="long")
-    assert dec.plan.mode == "share"
+    # the long prompt's cut is far past the round budget: it grows (amortize), and is cut
+    # back for the short one entering beside it
+    assert dec.plan.mode == "amortize"
     assert dec.chunk_budget == dec.keep + 2240  # "mid" whole (grid pages), "big" waits
     assert dec.keep < dec.plan.tokens
     long, mid = planner.book.live["long"], planner.book.live["mid"]
