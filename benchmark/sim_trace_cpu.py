@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     # round takes the model's prediction, so two policies differ by their decisions alone
     timing = timing_from(f"cpu:{args.model}")
     timing.pop("round_jitter", None)
+    timing.pop("round_jitter_ref_s", None)
     rows = []
     for ts in (float(x) for x in args.time_scales.split(",")):
         for start in (float(x) for x in args.windows.split(",")):

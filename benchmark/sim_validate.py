@@ -190,6 +190,7 @@ def collect(policy: str, args, tmp: Path) -> dict:
                 rnd["windows"][name] = [t_lo, time.perf_counter()]
             if "conversation" in rnd["workloads"]:
                 raw["mooncake_trace"] = str(V.mooncake_path(args.trace))
+                raw["mooncake_lines"] = V.trace_lines(args.quick, args.trace)
             raw["rounds"].append(rnd)
             print(
                 f"[{policy}] round {i + 1}/{n}: calibration and {len(rnd['workloads'])} "
@@ -287,7 +288,8 @@ def main() -> int:
         "--trace",
         default=None,
         help="the Mooncake conversation trace the conversation workload is cut from (default: "
-        f"${V.MOONCAKE_ENV}, else {V.mooncake_path()}, or with --from-raw the records' own); "
+        f"${V.MOONCAKE_ENV}, else {V.mooncake_path()}; with --from-raw the trace lines the records "
+        "keep, else the file they name); "
         "absent: that workload is left out",
     )
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")

@@ -39,6 +39,7 @@ TIMING_KEYS = {
     "idle_wake_s": "idle_wake_s",
     "ingress_gap_s": "ingress_gap_s",
     "round_jitter": "round_jitter",
+    "round_jitter_ref_s": "round_jitter_ref_s",
 }
 
 

@@ -216,7 +216,15 @@ def round_jitter(
     their siblings prefilled) put the spread's p90 at 3.9 on 2026-12-04, and every simulated
     round drew from it (sim_validate: 11 of 24 latency figures within 15%, decode ITL p99 up to
     2.9x the server's)."""
+    return _jitter_samples(stream_runs, model)[0]
+
+
+def _jitter_samples(
+    stream_runs: list[dict[str, ServerRequest]], model: CostModel
+) -> tuple[tuple[float, ...], float]:
+    """:func:`round_jitter`'s factors and :func:`jitter_reference_s`'s round time."""
     out: list[float] = []
+    preds: list[float] = []
     for streams in stream_runs:
         for g, (bs, n) in enumerate(CAL_STREAMS):
             pred = model.predict(BatchShape.of([n + CAL_STREAM_OUT // 2] * bs))
@@ -224,15 +232,24 @@ def round_jitter(
             decoding = max((r.token_times[0] for r in group if r.token_times), default=0.0)
             first = group[0]
             ends = first.token_times[1:]
-            out += [
+            got = [
                 x / pred
                 for x, end in list(zip(first.itls, ends, strict=True))[2:]
                 if x > 0 and end > decoding
             ]
+            out += got
+            preds += [pred] * len(got)
     if not out:
-        return ()
+        return (), 0.0
     med = float(np.median(out))
-    return tuple(sorted(round(x / med, 4) for x in out))
+    return tuple(sorted(round(x / med, 4) for x in out)), float(np.median(preds))
+
+
+def jitter_reference_s(stream_runs: list[dict[str, ServerRequest]], model: CostModel) -> float:
+    """The round time :func:`round_jitter`'s factors were measured at
+    (``SimConfig.round_jitter_ref_s``): the median of ``model``'s decode round over the ITLs
+    they come from (0 without any)."""
+    return _jitter_samples(stream_runs, model)[1]
 
 
 def ingress_gap(stream_runs: list[dict[str, ServerRequest]]) -> float:
@@ -380,10 +397,12 @@ def fit_cpu_model(cals: list[dict], chunk: int = CHUNK, log=say) -> CpuFit:
 
 def streams_timing(
     cals: list[dict], model: CostModel, jitter: bool = True
-) -> tuple[float, tuple[float, ...]]:
-    """The ingress gap and the round-time spread these calibrations' decode streams measure
-    (the spread is relative to its median, so ``model``'s speed level does not matter)."""
+) -> tuple[float, tuple[float, ...], float]:
+    """The ingress gap, the round-time spread these calibrations' decode streams measure (the
+    spread is relative to its median, so ``model``'s speed level does not matter) and the
+    round time it was measured at under ``model`` (``SimConfig.round_jitter_ref_s``; 0 without
+    the spread)."""
     _, cal_streams = calibration_trace()
     stream_runs = [from_records(cal_streams, c["cal_streams"]) for c in cals]
-    factors = round_jitter(stream_runs, model) if jitter else ()
-    return ingress_gap(stream_runs), factors
+    factors, ref = _jitter_samples(stream_runs, model) if jitter else ((), 0.0)
+    return ingress_gap(stream_runs), factors, ref

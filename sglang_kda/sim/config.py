@@ -19,6 +19,16 @@ FINISHED_STATES = ("prompt", "end", "tracked")
 SGLANG_TRACK_INTERVAL = 256  # SGLang 0.5.23's --mamba-track-interval default
 
 
+def jitter_factor(factor: float, round_s: float, ref_s: float) -> float:
+    """The multiplier a round of ``round_s`` takes for a drawn ``factor`` measured on rounds of
+    ``ref_s`` (``SimConfig.round_jitter_ref_s``): the factor whole for a round no longer than
+    ``ref_s`` (or without a reference), else its distance from 1 scaled by
+    ``sqrt(ref_s / round_s)`` (always > 0 for a factor > 0)."""
+    if ref_s <= 0 or round_s <= ref_s:
+        return factor
+    return 1.0 + (factor - 1.0) * math.sqrt(ref_s / round_s)
+
+
 def tracked_state(prompt: int, path: int, grid: int, interval: int) -> int:
     """Where ``extra_buffer`` leaves a finished request's state: prefill tracks the last
     checkpoint-grid point of the prompt, decode every ``lcm(grid, interval)`` tokens of the
@@ -84,6 +94,16 @@ class SimConfig:
         (uniformly, from a generator seeded by ``seed`` and the rank): the spread of real round
         times around the cost model's prediction (``benchmark/sim_validate.py`` measures it on
         the calibration's decode rounds). Empty: every round takes exactly the prediction.
+    round_jitter_ref_s: the round time (s, at the cost model's speed) the factors were measured
+        at (the calibration's decode rounds, ~10 ms on the CPU server). A longer round takes
+        its factor's distance from 1 scaled by ``sqrt(ref / round)``: a round's slow spells
+        (the other processes taking the core, in ms) add up like independent interruptions,
+        whose total's spread grows with the square root of the round's length, not with the
+        length. Measured on the CPU server's step trace (docs/simulator.md): decode steps
+        predicted ~10 ms ran p90 1.51x their median, prefill rounds predicted 32-64 ms 1.30x
+        (square-root scaling: 1.24x at 45 ms). Drawn whole on 45-60 ms mixed rounds, the
+        decode rounds' spread put the simulated conversation slice's worst decode gap p90 at
+        1.5x the server's (issue 39). 0: every round takes its factor whole.
     seed: seeds the jitter draws (a run stays a pure function of trace, config and cost).
     host_checkpoints: the host tier's state slots (HiCache's host state pool,
         ``--kda-host-state-pool``; 0: none): :class:`~sglang_kda.sim.tree.RadixTree`'s
@@ -129,6 +149,7 @@ class SimConfig:
     track_interval: int = 0
     eviction: object = "marconi"
     round_jitter: tuple = ()
+    round_jitter_ref_s: float = 0.0
     seed: int = 0
     host_checkpoints: int = 0
     host_load_s: float = 0.0
@@ -160,6 +181,8 @@ class SimConfig:
         self.round_jitter = tuple(float(x) for x in self.round_jitter)
         if any(not x > 0 for x in self.round_jitter):
             raise ValueError("round_jitter factors must be > 0")
+        if not self.round_jitter_ref_s >= 0:
+            raise ValueError("round_jitter_ref_s must be >= 0")
         if not (self.idle_wake_s >= 0 and self.idle_wake_after_s >= 0):
             raise ValueError("idle_wake_s and idle_wake_after_s must be >= 0")
         if not (self.ingress_s >= 0 and self.ingress_gap_s >= 0):

@@ -63,29 +63,56 @@ def load(
     Raises ValueError on a line whose lengths disagree with its blocks (``input_length`` must be
     1..len(hash_ids) x BLOCK, ``output_length`` >= 0).
     """
+    with open(path) as fh:
+        return parse(fh, start_s=start_s, end_s=end_s, limit=limit)
+
+
+def parse(
+    lines: Iterable[str],
+    *,
+    start_s: float = 0.0,
+    end_s: float | None = None,
+    limit: int | None = None,
+) -> list[MooncakeRequest]:
+    """:func:`load` on the trace's lines (a file's, or the lines a record kept: the first of them
+    the trace's first line, so that ``index`` is the line number in the file)."""
     out: list[MooncakeRequest] = []
     index = -1
+    for line in lines:
+        if not line.strip():
+            continue
+        index += 1
+        d = json.loads(line)
+        t = float(d["timestamp"]) / 1000.0
+        if t < start_s:
+            continue
+        if end_s is not None and t >= end_s:
+            break
+        hashes = tuple(int(h) for h in d["hash_ids"])
+        n_in, n_out = int(d["input_length"]), int(d["output_length"])
+        if not 1 <= n_in <= len(hashes) * BLOCK or n_out < 0:
+            raise ValueError(
+                f"line {index}: input_length {n_in} with {len(hashes)} blocks, "
+                f"output_length {n_out}"
+            )
+        out.append(MooncakeRequest(index, t, n_in, n_out, hashes))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def head_lines(path: str | Path, end_s: float) -> list[str]:
+    """The trace file's lines from its first through the last arriving before ``end_s``
+    (blank lines left out): what :func:`parse` needs to give ``load(path, end_s=end_s)``'s
+    requests, indices included."""
+    out: list[str] = []
     with open(path) as fh:
         for line in fh:
             if not line.strip():
                 continue
-            index += 1
-            d = json.loads(line)
-            t = float(d["timestamp"]) / 1000.0
-            if t < start_s:
-                continue
-            if end_s is not None and t >= end_s:
+            if float(json.loads(line)["timestamp"]) / 1000.0 >= end_s:
                 break
-            hashes = tuple(int(h) for h in d["hash_ids"])
-            n_in, n_out = int(d["input_length"]), int(d["output_length"])
-            if not 1 <= n_in <= len(hashes) * BLOCK or n_out < 0:
-                raise ValueError(
-                    f"line {index}: input_length {n_in} with {len(hashes)} blocks, "
-                    f"output_length {n_out}"
-                )
-            out.append(MooncakeRequest(index, t, n_in, n_out, hashes))
-            if limit is not None and len(out) >= limit:
-                break
+            out.append(line.rstrip("\n"))
     return out
 
 

@@ -61,7 +61,7 @@ from typing import Callable, Optional
 
 from sglang_kda.cache import probe as probe_mod
 from sglang_kda.cache.tree_api import grid_positions
-from sglang_kda.sim.config import SimConfig, tracked_state
+from sglang_kda.sim.config import SimConfig, jitter_factor, tracked_state
 from sglang_kda.sim.tree import RadixTree
 
 # Policy modules are called through their module objects, so the simulator always runs what
@@ -450,7 +450,7 @@ class Rank:
         else:
             dt = self.cost.predict(shape)
         if cfg.round_jitter:
-            dt *= self.rng.choice(cfg.round_jitter)
+            dt *= jitter_factor(self.rng.choice(cfg.round_jitter), dt, cfg.round_jitter_ref_s)
         if self.wake:
             dt += cfg.idle_wake_s
             self.wake = False

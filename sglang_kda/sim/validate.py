@@ -12,9 +12,11 @@ agree in every round.
 Raw file (``format`` 3 or 4): ``policy``, ``quick``, ``chunk``, ``rounds`` (each a calibration
 record with ``workloads`` {name: client records}, and from format 4 ``windows`` {name:
 [start, end]} and ``workload_steps`` {name: step rows}) and ``final`` (the closing calibration);
-``mooncake_trace``: the trace file the ``conversation`` workload was cut from, when it ran. A
-workload missing from the records (they predate it, or its trace file was absent) is left out of
-the evaluation with a note.
+``mooncake_trace``: the trace file the ``conversation`` workload was cut from, when it ran, and
+``mooncake_lines``: its first lines, through the workload's window (:func:`trace_lines`), which
+the evaluation replays the workload from where they are kept. A workload missing from the
+records (they predate it, or its trace file was absent) is left out of the evaluation with a
+note.
 """
 
 from __future__ import annotations
@@ -78,19 +80,26 @@ def mooncake_path(path: str | Path | None = None) -> Path:
     return Path(path or os.environ.get(MOONCAKE_ENV) or mc.TRACE_PATH)
 
 
-def conversation(quick: bool = False, path: str | Path | None = None) -> T.Trace | None:
+def conversation(
+    quick: bool = False, path: str | Path | None = None, lines: list[str] | None = None
+) -> T.Trace | None:
     """The ``conversation`` workload (:data:`CONVERSATION`; ``quick``:
-    :data:`CONVERSATION_QUICK`), or None when the trace file (:func:`mooncake_path`) is absent
-    (said once per file). Deterministic: request ids ``mc<line>``, each hash id one fixed token
-    block (seed 0), so server and simulator see the same tokens and the trace's prefix sharing."""
-    p = mooncake_path(path)
-    if not p.is_file():
-        if str(p) not in _noted:
-            _noted.add(str(p))
-            say(f"[validate] no Mooncake trace at {p}: the conversation workload is left out")
-        return None
+    :data:`CONVERSATION_QUICK`) cut from ``lines`` (the trace's first lines, as a record keeps
+    them: :func:`trace_lines`) when given, else from the trace file (:func:`mooncake_path`);
+    None when neither is there (said once per file). Deterministic: request ids ``mc<line>``,
+    each hash id one fixed token block (seed 0), so server and simulator see the same tokens
+    and the trace's prefix sharing."""
     c = CONVERSATION_QUICK if quick else CONVERSATION
-    reqs = mc.load(p, start_s=c["start_s"], end_s=c["end_s"])
+    if lines is not None:
+        reqs = mc.parse(lines, start_s=c["start_s"], end_s=c["end_s"])
+    else:
+        p = mooncake_path(path)
+        if not p.is_file():
+            if str(p) not in _noted:
+                _noted.add(str(p))
+                say(f"[validate] no Mooncake trace at {p}: the conversation workload is left out")
+            return None
+        reqs = mc.load(p, start_s=c["start_s"], end_s=c["end_s"])
     return mc.to_trace(
         reqs,
         time_scale=c["time_scale"],
@@ -100,14 +109,24 @@ def conversation(quick: bool = False, path: str | Path | None = None) -> T.Trace
     )
 
 
-def workloads(quick: bool = False, trace_path: str | Path | None = None) -> dict[str, T.Trace]:
+def trace_lines(quick: bool = False, path: str | Path | None = None) -> list[str]:
+    """The trace file's lines the ``conversation`` workload is cut from (its first through the
+    window's end): kept in the raw records (``mooncake_lines``), so that they replay the
+    workload where the trace file is not (65 lines, 13 KB, of the Apache-2.0 Mooncake trace)."""
+    c = CONVERSATION_QUICK if quick else CONVERSATION
+    return mc.head_lines(mooncake_path(path), c["end_s"])
+
+
+def workloads(
+    quick: bool = False, trace_path: str | Path | None = None, lines: list[str] | None = None
+) -> dict[str, T.Trace]:
     """The validation traces. Sized so that each percentile is a property of a distribution and
     not of one or two events: hundreds of ITLs and 15-24 TTFTs per workload (65 in
     ``conversation``). In ``long_among_decodes`` the four streams arrive together and are short
     enough that the four stalls behind the long prompt's prefill are more than 1% of all ITLs, so
     ITL p99 is that stall (the thing the workload is about) rather than wherever the 99th
     percentile falls at the edge of a cluster of four. ``conversation`` (:func:`conversation`,
-    cut from ``trace_path``) comes last, and only where the Mooncake trace file is."""
+    cut from ``lines`` or ``trace_path``) comes last, and only where its trace is."""
     w = {
         # 0.4 s apart: a request is done before the next arrives (a cold one takes ~0.3 s), so
         # ITL p99 is the decode tail, not whether a few arrivals land on a running request.
@@ -137,7 +156,7 @@ def workloads(quick: bool = False, trace_path: str | Path | None = None) -> dict
         w["long_among_decodes"] = T.long_among_decodes(
             streams=4, stream_out=40, long_prompt=2000, long_at_s=0.15, stagger_s=0.0
         )
-    conv = conversation(quick, trace_path)
+    conv = conversation(quick, trace_path, lines)
     if conv is not None:
         w["conversation"] = conv
     return w
@@ -153,7 +172,8 @@ def sim_config(
     """The simulator configured as the validation server runs (``--chunked-prefill-size``
     :data:`~sglang_kda.sim.calibrate.CHUNK`, FCFS; ``finished_state``: ``tracked`` under the
     default ``extra_buffer``, ``prompt`` under ``no_buffer``), with the fitted per-request timing
-    (``ingress_s``, ``idle_wake_s``, ``ingress_gap_s``) and round-time spread; ``overlap``:
+    (``ingress_s``, ``idle_wake_s``, ``ingress_gap_s``) and round-time spread (``factors``, and
+    ``round_jitter_ref_s`` in ``timing``: the round time they were measured at); ``overlap``:
     the overlap scheduler's model (``SimConfig.overlap``)."""
     return SimConfig(
         policy=policy,
@@ -171,8 +191,9 @@ def fit_run(cals: list[dict], jitter: bool = True) -> tuple[CostModel, dict, tup
     """The clock fitted on all these calibrations pooled: the model, the per-request timing
     (:func:`sim_config`'s ``timing``) and the round-time spread."""
     model, fixed, wake = fit_cpu_model(cals)
-    gap, factors = streams_timing(cals, model, jitter)
-    return model, dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap), factors
+    gap, factors, ref = streams_timing(cals, model, jitter)
+    timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap, round_jitter_ref_s=ref)
+    return model, timing, factors
 
 
 def simulate_seeds(tr: T.Trace, cfg: SimConfig, model: CostModel, seeds: int):
@@ -250,6 +271,7 @@ def evaluate(
     finished_state: str | None = None,
     trace_path: str | Path | None = None,
     overlap: bool | None = None,
+    only: tuple[str, ...] = (),
 ) -> list[dict]:
     """Fit the CPU cost model on all the calibrations (saved to ``model_path`` when given, with
     its timing: ``python -m sglang_kda.sim --cost cpu:FILE``); simulate every workload of every
@@ -261,7 +283,7 @@ def evaluate(
     the overlap scheduler's model (default: the records' own, else off).
     ``trace_path``: the Mooncake trace (default: the one the records name, else
     :func:`mooncake_path`'s). Only workloads that every round recorded and whose trace is here are
-    evaluated; the others are named."""
+    evaluated; the others are named. ``only``: just these workloads (all when empty)."""
     finished_state = finished_state or raw.get("finished_state", "prompt")
     overlap = raw.get("overlap", False) if overlap is None else overlap
     if raw.get("format") not in (3, 4):
@@ -284,6 +306,7 @@ def evaluate(
                 "idle_wake_s": timing["idle_wake_s"],
                 "ingress_gap_s": timing["ingress_gap_s"],
                 "round_jitter": list(factors),
+                "round_jitter_ref_s": timing["round_jitter_ref_s"],
             },
         )
     like = CpuFit(model, timing["ingress_s"], timing["idle_wake_s"])
@@ -296,7 +319,9 @@ def evaluate(
     cal_speed = [speed_factor([c["steps"]], like) for c in cals]
     say("[cal] speed of each calibration: " + " ".join(f"{x:.3f}" for x in cal_speed))
     cal_t = [0.5 * (c["window"][0] + c["window"][1]) for c in cals]
-    traces = workloads(raw["quick"], trace_path or raw.get("mooncake_trace"))
+    # the trace lines the records keep, else the file (given, or the one the records name)
+    lines = None if trace_path else raw.get("mooncake_lines")
+    traces = workloads(raw["quick"], trace_path or raw.get("mooncake_trace"), lines)
     # The round's order as it ran (format 3 places a workload in its round by it).
     names = list(rounds[0]["workloads"])
     for name in traces:
@@ -305,11 +330,15 @@ def evaluate(
     for name in names:
         if name not in traces:
             say(f"[{policy}] {name}: in the records but its trace is not here: left out")
-    traces = {k: tr for k, tr in traces.items() if all(k in rnd["workloads"] for rnd in rounds)}
+    traces = {
+        k: tr
+        for k, tr in traces.items()
+        if all(k in rnd["workloads"] for rnd in rounds) and (not only or k in only)
+    }
     for name, tr in traces.items():
         reals, sims = [], []
         for i, rnd in enumerate(rounds):
-            gap, factors = per_round[i]
+            gap, factors, ref = per_round[i]
             if name in rnd.get("windows", {}):
                 mid = 0.5 * sum(rnd["windows"][name])
                 frac = (mid - cal_t[i]) / max(cal_t[i + 1] - cal_t[i], 1e-9)
@@ -329,7 +358,9 @@ def evaluate(
                 )
                 speed = own_speed
             model, fixed, wake = scaled(like, speed)
-            timing = dict(ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap)
+            timing = dict(
+                ingress_s=fixed, idle_wake_s=wake, ingress_gap_s=gap, round_jitter_ref_s=ref * speed
+            )
             real = from_records(tr, rnd["workloads"][name])
             sim, res = simulate_seeds(
                 tr,

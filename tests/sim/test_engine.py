@@ -15,7 +15,7 @@ from sglang_kda.policy.budget import BudgetConfig
 from sglang_kda.policy.cost_model import Coefficients, CostModel
 from sglang_kda.sim import trace as T
 from sglang_kda.sim.costs import KimiLinearH200, cpu_model
-from sglang_kda.sim.config import SimConfig
+from sglang_kda.sim.config import SimConfig, jitter_factor
 from sglang_kda.sim.engine import simulate
 from sglang_kda.sim.metrics import summarize
 
@@ -420,6 +420,28 @@ def test_round_jitter_is_seeded_and_keeps_invariants():
     assert round((ra.end - ra.start) / (rb.end - rb.start), 9) in jit
     with pytest.raises(ValueError):
         SimConfig(round_jitter=(0.0, 1.0))
+
+
+def test_a_round_longer_than_the_jitter_reference_spreads_by_the_square_root_of_its_length():
+    """``round_jitter_ref_s``: a factor measured on rounds of ``ref`` applies whole to a round
+    no longer than that, and to a round ``k`` times longer with its distance from 1 scaled by
+    ``1/sqrt(k)``; a factor > 0 always gives a multiplier > 0."""
+    assert jitter_factor(2.0, 0.005, 0.01) == 2.0
+    assert jitter_factor(2.0, 0.04, 0.0) == 2.0
+    assert jitter_factor(2.0, 0.04, 0.01) == pytest.approx(1.5)
+    assert jitter_factor(0.2, 0.09, 0.01) == pytest.approx(1 - 0.8 / 3)
+    assert all(jitter_factor(f, r, 0.01) > 0 for f in (0.01, 0.5, 3.0) for r in (0.001, 1.0))
+    jit = (0.5, 2.0)
+    tr = T.long_among_decodes(streams=3, stream_out=40, long_prompt=2000)
+    base = run(tr, policy="kda")
+    ref = base.ranks[0].rounds[0].end - base.ranks[0].rounds[0].start  # the first round's time
+    a = run(tr, policy="kda", round_jitter=jit, round_jitter_ref_s=ref / 4, seed=1)
+    check_invariants(a, tr)
+    ra, rb = a.ranks[0].rounds[0], base.ranks[0].rounds[0]
+    assert ra.slices == rb.slices
+    assert round((ra.end - ra.start) / (rb.end - rb.start), 9) in (0.75, 1.5)
+    with pytest.raises(ValueError):
+        SimConfig(round_jitter_ref_s=-1.0)
 
 
 def test_a_round_after_a_pause_pays_the_wake_up():
