@@ -200,7 +200,7 @@ def _group(streams: dict[str, ServerRequest], g: int) -> list[ServerRequest]:
 
 def round_jitter(
     stream_runs: list[dict[str, ServerRequest]], model: CostModel
-) -> tuple[float, ...]:
+) -> tuple[tuple[float, ...], float]:
     """The spread of real decode rounds around the cost model: every calibration decode ITL
     (one stream's per group: the group's streams share their rounds; from the third on) divided
     by the model's decode round of its group, over the median of those ratios (the level is the
@@ -215,14 +215,10 @@ def round_jitter(
     spread. Counted, the four 1,500-token streams' ITLs (24 ms against a 6 ms decode round while
     their siblings prefilled) put the spread's p90 at 3.9 on 2026-12-04, and every simulated
     round drew from it (sim_validate: 11 of 24 latency figures within 15%, decode ITL p99 up to
-    2.9x the server's)."""
-    return _jitter_samples(stream_runs, model)[0]
+    2.9x the server's).
 
-
-def _jitter_samples(
-    stream_runs: list[dict[str, ServerRequest]], model: CostModel
-) -> tuple[tuple[float, ...], float]:
-    """:func:`round_jitter`'s factors and :func:`jitter_reference_s`'s round time."""
+    Also the round time the factors were measured at (``SimConfig.round_jitter_ref_s``): the
+    median of ``model``'s decode round over the ITLs they come from (0 without any)."""
     out: list[float] = []
     preds: list[float] = []
     for streams in stream_runs:
@@ -243,13 +239,6 @@ def _jitter_samples(
         return (), 0.0
     med = float(np.median(out))
     return tuple(sorted(round(x / med, 4) for x in out)), float(np.median(preds))
-
-
-def jitter_reference_s(stream_runs: list[dict[str, ServerRequest]], model: CostModel) -> float:
-    """The round time :func:`round_jitter`'s factors were measured at
-    (``SimConfig.round_jitter_ref_s``): the median of ``model``'s decode round over the ITLs
-    they come from (0 without any)."""
-    return _jitter_samples(stream_runs, model)[1]
 
 
 def ingress_gap(stream_runs: list[dict[str, ServerRequest]]) -> float:
@@ -404,5 +393,5 @@ def streams_timing(
     the spread)."""
     _, cal_streams = calibration_trace()
     stream_runs = [from_records(cal_streams, c["cal_streams"]) for c in cals]
-    factors, ref = _jitter_samples(stream_runs, model) if jitter else ((), 0.0)
+    factors, ref = round_jitter(stream_runs, model) if jitter else ((), 0.0)
     return ingress_gap(stream_runs), factors, ref
